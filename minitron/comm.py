@@ -1,0 +1,308 @@
+"""Every message minitron sends goes through this file, so every byte can be counted.
+
+Each wrapper does three things around the torch.distributed call:
+  1. records (group, operation) -> calls, payload bytes and the bytes a ring algorithm
+     makes each rank send ("wire bytes"), into every active `CommCounter`;
+  2. tells the launcher which operation this rank is in, so a hang can be reported by name;
+  3. turns a failure into a `CommError` naming the rank, the operation and the group.
+
+Conventions. Ranks given to `send`/`recv`/`broadcast` are ranks *inside the group*
+(0..group.size-1), like coordinates on the grid. A group of size 1 never communicates:
+every operation returns at once and counts nothing.
+
+Payload S (bytes) and the per-rank wire bytes of the ring algorithms on n ranks:
+  all_reduce      S = the tensor            wire = 2 (n-1)/n * S   (reduce-scatter + all-gather)
+  all_gather      S = the gathered output   wire =   (n-1)/n * S
+  reduce_scatter  S = the full input        wire =   (n-1)/n * S
+  all_to_all      S = this rank's input     wire = the part of it that leaves the rank
+  send / recv     S = the message           wire = S for send, 0 for recv
+  broadcast       S = the tensor            wire = S (each rank forwards it once in a chain)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+import datetime
+
+# Every process group gets this timeout (the launcher sets it): a collective that a peer
+# never joins raises after it instead of hanging. torch's own default for new groups is 30 min.
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class CommError(RuntimeError):
+    """A collective or point-to-point operation failed (timeout, dead peer, mismatch)."""
+
+
+class Group:
+    """A process group together with the global ranks it contains, in order."""
+
+    def __init__(self, name: str, ranks: Sequence[int], pg=None):
+        self.name = name
+        self.ranks = tuple(int(r) for r in ranks)
+        self.pg = pg  # the torch ProcessGroup; None when size == 1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index inside the group."""
+        me = dist.get_rank() if dist.is_initialized() else 0
+        return self.ranks.index(me)
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={list(self.ranks)})"
+
+
+def single_group(name: str = "self") -> Group:
+    """A group of one process: every operation on it is free."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    return Group(name, [me])
+
+
+# ----------------------------------------------------------------------------------------
+# Counting
+# ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Record:
+    calls: int = 0
+    bytes: int = 0          # payload, see the module docstring
+    wire_bytes: float = 0.0  # bytes this rank sends under a ring algorithm
+
+
+class CommCounter:
+    """Calls and bytes per (group name, operation) on this rank."""
+
+    def __init__(self):
+        self.records: dict[tuple[str, str], Record] = defaultdict(Record)
+
+    def add(self, group: str, op: str, payload: int, wire: float) -> None:
+        rec = self.records[(group, op)]
+        rec.calls += 1
+        rec.bytes += int(payload)
+        rec.wire_bytes += float(wire)
+
+    def _select(self, op=None, group=None):
+        return [r for (g, o), r in self.records.items()
+                if (op is None or o == op) and (group is None or g == group)]
+
+    def calls(self, op: str | None = None, group: str | None = None) -> int:
+        return sum(r.calls for r in self._select(op, group))
+
+    def bytes(self, op: str | None = None, group: str | None = None) -> int:
+        return sum(r.bytes for r in self._select(op, group))
+
+    def wire_bytes(self, op: str | None = None, group: str | None = None) -> float:
+        return sum(r.wire_bytes for r in self._select(op, group))
+
+    def as_dict(self) -> dict:
+        return {f"{g}/{o}": dataclasses.asdict(r) for (g, o), r in sorted(self.records.items())}
+
+    def table(self) -> str:
+        lines = [f"{'group':<10}{'operation':<16}{'calls':>7}{'payload bytes':>16}{'wire bytes':>14}"]
+        for (g, o), r in sorted(self.records.items()):
+            lines.append(f"{g:<10}{o:<16}{r.calls:>7}{r.bytes:>16,}{r.wire_bytes:>14,.0f}")
+        return "\n".join(lines)
+
+
+TOTAL = CommCounter()  # everything this process has sent since it started
+_active: list[CommCounter] = [TOTAL]
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[CommCounter]:
+    """`with comm.counting() as c: ...` counts exactly what the block sends."""
+    counter = CommCounter()
+    _active.append(counter)
+    try:
+        yield counter
+    finally:
+        _active.remove(counter)
+
+
+def _count(group: Group, op: str, payload: int, wire: float) -> None:
+    for counter in _active:
+        counter.add(group.name, op, payload, wire)
+
+
+# The launcher installs a hook that publishes "rank r is in <op> on <group>" to the parent.
+_status_hook: Callable[[str], None] | None = None
+
+
+def set_status_hook(hook: Callable[[str], None] | None) -> None:
+    global _status_hook
+    _status_hook = hook
+
+
+def _call(op: str, group: Group, fn: Callable):
+    what = f"{op} on group '{group.name}' {list(group.ranks)}"
+    if _status_hook is not None:
+        _status_hook(what)
+    try:
+        return fn()
+    except Exception as e:  # gloo/nccl errors are terse: say who and what
+        me = dist.get_rank() if dist.is_initialized() else 0
+        raise CommError(f"rank {me}: {what} failed: {e}") from e
+    finally:
+        if _status_hook is not None:
+            _status_hook(f"running (last: {what})")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------------------
+# Collectives
+# ----------------------------------------------------------------------------------------
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives; the lent GPU's torch 2.11 has
+# only the old names. One shim serves both without a deprecation warning.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_op(op: str):
+    if op not in (*_OPS, "avg"):
+        raise ValueError(f"unknown reduction {op!r}: use one of sum, max, min, avg")
+    return _OPS.get(op, dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """In place: every rank ends with the reduction of all ranks' tensors."""
+    n = group.size
+    if n == 1:
+        return t
+    _count(group, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+    _call("all_reduce", group, lambda: dist.all_reduce(t, op=_reduce_op(op), group=group.pg))
+    if op == "avg":
+        t.div_(n)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's tensor along `dim` (all ranks must pass the same shape)."""
+    n = group.size
+    if n == 1:
+        return t
+    x = t.movedim(dim, 0).contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    _count(group, "all_gather", _nbytes(out), (n - 1) / n * _nbytes(out))
+    _call("all_gather", group, lambda: _all_gather_flat(out, x, group=group.pg))
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> torch.Tensor:
+    """Reduce across ranks, then keep this rank's 1/n slice along `dim`."""
+    n = group.size
+    if n == 1:
+        return t
+    if t.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: size {t.shape[dim]} of dim {dim} is not divisible "
+                         f"by the group size {n}")
+    x = t.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+    _count(group, "reduce_scatter", _nbytes(x), (n - 1) / n * _nbytes(x))
+    _call("reduce_scatter", group,
+          lambda: _reduce_scatter_flat(out, x, op=_reduce_op(op), group=group.pg))
+    if op == "avg":
+        out.div_(n)
+    return out.movedim(0, dim)
+
+
+def all_to_all(t: torch.Tensor, group: Group, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None) -> torch.Tensor:
+    """Send slice i (along dim 0) of `t` to rank i; receive rank i's slice for us into row block i.
+
+    Splits may be uneven (expert dispatch); by default every rank gets an equal share.
+    """
+    n = group.size
+    if n == 1:
+        return t
+    x = t.contiguous()
+    if input_split_sizes is None:
+        if x.shape[0] % n:
+            raise ValueError(f"all_to_all: dim 0 ({x.shape[0]}) is not divisible by {n}; "
+                             "pass input_split_sizes")
+        input_split_sizes = [x.shape[0] // n] * n
+    if output_split_sizes is None:
+        output_split_sizes = [x.shape[0] // n] * n
+    row = _nbytes(x[:1]) if x.shape[0] else 0
+    out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+    leaving = (x.shape[0] - input_split_sizes[group.rank]) * row
+    _count(group, "all_to_all", _nbytes(x), leaving)
+    _call("all_to_all", group, lambda: dist.all_to_all_single(
+        out, x, output_split_sizes, input_split_sizes, group=group.pg))
+    return out
+
+
+def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
+    """In place: every rank receives group-rank `src`'s tensor."""
+    if group.size == 1:
+        return t
+    _count(group, "broadcast", _nbytes(t), _nbytes(t))
+    _call("broadcast", group,
+          lambda: dist.broadcast(t, src=group.global_rank(src), group=group.pg))
+    return t
+
+
+def barrier(group: Group) -> None:
+    if group.size == 1:
+        return
+    _call("barrier", group, lambda: dist.barrier(group=group.pg))
+
+
+# ----------------------------------------------------------------------------------------
+# Point to point
+# ----------------------------------------------------------------------------------------
+def send(t: torch.Tensor, group: Group, dst: int) -> None:
+    _count(group, "send", _nbytes(t), _nbytes(t))
+    _call(f"send to group rank {dst}", group,
+          lambda: dist.send(t.contiguous(), dst=group.global_rank(dst), group=group.pg))
+
+
+def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
+    """Fill `t` in place with group-rank `src`'s message."""
+    _count(group, "recv", _nbytes(t), 0)
+    _call(f"recv from group rank {src}", group,
+          lambda: dist.recv(t, src=group.global_rank(src), group=group.pg))
+    return t
+
+
+@dataclasses.dataclass
+class P2P:
+    """One half of a point-to-point exchange, for `exchange`."""
+    kind: str             # "send" or "recv"
+    tensor: torch.Tensor
+    peer: int             # group rank
+
+
+def exchange(ops: list[P2P], group: Group) -> None:
+    """Post all sends and receives at once and wait for all (no ordering deadlocks)."""
+    if not ops:
+        return
+    torch_ops = []
+    for op in ops:
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"P2P kind must be 'send' or 'recv', not {op.kind!r}")
+        _count(group, op.kind, _nbytes(op.tensor), _nbytes(op.tensor) if op.kind == "send" else 0)
+        fn = dist.isend if op.kind == "send" else dist.irecv
+        torch_ops.append(dist.P2POp(fn, op.tensor, group.global_rank(op.peer), group=group.pg))
+    peers = sorted({op.peer for op in ops})
+
+    def run():
+        for work in dist.batch_isend_irecv(torch_ops):
+            work.wait()
+    _call(f"exchange with group ranks {peers}", group, run)

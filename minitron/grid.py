@@ -1,0 +1,225 @@
+"""The rank grid: which rank holds which piece, and every process group built once.
+
+World size = tp * cp * ep * dp * pp. Ranks are laid out Megatron's way, "tp-cp-ep-dp-pp":
+tp varies fastest (neighbouring ranks share a tensor-parallel group, so TP stays inside a
+node), pp slowest. A rank's coordinates are the digits of its number in that mixed radix.
+
+  rank = tp_rank + tp * (cp_rank + cp * (ep_rank + ep * (dp_rank + dp * pp_rank)))
+
+Which groups exist, and what travels in each:
+  tp        tensor-parallel shards of one layer        (activations: all-reduce / SP pair)
+  cp        chunks of one sequence                     (keys/values around a ring)
+  ep        experts of one MoE layer                   (tokens: all-to-all)
+  dp        replicas fed different batches             (gradients)
+  pp        stages of one pipeline                     (activations: send/recv)
+  dp_cp     ranks holding the same expert weights      (expert gradients: dp x cp)
+  dense_dp  ranks holding the same dense weights       (dense gradients: dp x cp x ep —
+            expert-parallel ranks see different tokens, so for dense layers they are
+            data-parallel replicas too)
+  tp_cp     ranks sharing one sequence's activations   (tp x cp)
+  mp        model-parallel ranks of one replica        (tp x pp: a global grad norm)
+  embedding first and last pipeline stage              (tied embedding gradients)
+"""
+from __future__ import annotations
+
+import dataclasses
+from itertools import product
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .comm import Group
+
+DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest first
+
+# group name -> the dimensions that vary inside it
+GROUP_DIMS = {
+    "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
+    "dp_cp": ("cp", "dp"), "dense_dp": ("cp", "ep", "dp"), "tp_cp": ("tp", "cp"),
+    "mp": ("tp", "pp"),
+}
+
+
+def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """Smallest size >= vocab_size divisible by tp * multiple (Megatron pads the same way)."""
+    step = tp * multiple
+    return -(-vocab_size // step) * step
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How many ways each dimension is split. SP rides on TP and adds no ranks."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    virtual_pp: int = 1  # model chunks per pipeline rank (interleaved schedules)
+
+    def __post_init__(self):
+        for name in (*DIMS, "virtual_pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel shards the norm/dropout regions across the "
+                             "tensor-parallel group, so it needs tp > 1: set tp >= 2 or drop "
+                             "sequence_parallel")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.ep * self.dp * self.pp
+
+    def sizes(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in DIMS}
+
+    # ---- pure arithmetic on the grid: usable without any processes (lessons draw it) ----
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for d in DIMS:
+            rank, out[d] = divmod(rank, getattr(self, d))
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        rank = 0
+        for d in reversed(DIMS):
+            rank = rank * getattr(self, d) + coords.get(d, 0)
+        return rank
+
+    def group_ranks(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """All groups in which exactly `dims` vary, each a sorted list of global ranks."""
+        fixed = [d for d in DIMS if d not in dims]
+        groups = []
+        for outer in product(*(range(getattr(self, d)) for d in fixed)):
+            base = dict(zip(fixed, outer))
+            members = [self.rank_of(**base, **dict(zip(dims, inner)))
+                       for inner in product(*(range(getattr(self, d)) for d in dims))]
+            groups.append(sorted(members))
+        return groups
+
+    def embedding_ranks(self) -> list[list[int]]:
+        """First and last pipeline stage of every pipeline (one rank when pp == 1)."""
+        return [sorted({g[0], g[-1]}) for g in self.group_ranks(("pp",))]
+
+    # ---- validation: fail before any communication, say what to change ----
+    def validate(self, world_size: int | None = None, model=None, seq_len: int | None = None) -> None:
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} != tp*cp*ep*dp*pp = {self.tp}*{self.cp}*{self.ep}*"
+                f"{self.dp}*{self.pp} = {self.world_size}: launch {self.world_size} ranks or change "
+                f"the split so the product is {world_size}")
+        if model is not None:
+            validate_model(self, model, seq_len)
+
+
+def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None) -> None:
+    """Check that `model` (a ModelConfig or anything with the same fields) splits on `cfg`."""
+    heads, kv = model.n_heads, getattr(model, "n_kv_heads", None) or model.n_heads
+    if heads % cfg.tp:
+        raise ValueError(f"n_heads={heads} is not divisible by tp={cfg.tp}: each tensor-parallel "
+                         f"rank must own whole heads; choose tp dividing {heads}")
+    if kv % cfg.tp:
+        raise ValueError(f"n_kv_heads={kv} is not divisible by tp={cfg.tp}: use tp dividing {kv} "
+                         "(or more key/value heads)")
+    layers = model.n_layers
+    if layers % (cfg.pp * cfg.virtual_pp):
+        raise ValueError(f"n_layers={layers} is not divisible by pp*virtual_pp={cfg.pp}*"
+                         f"{cfg.virtual_pp}: every pipeline chunk needs the same number of layers")
+    if model.vocab_size % cfg.tp:
+        raise ValueError(f"vocab_size={model.vocab_size} is not divisible by tp={cfg.tp}: pad it to "
+                         f"{pad_vocab_size(model.vocab_size, cfg.tp)} with "
+                         "minitron.grid.pad_vocab_size (the extra rows are never a target)")
+    experts = getattr(model, "n_experts", 0) or 0
+    if experts and experts % cfg.ep:
+        raise ValueError(f"n_experts={experts} is not divisible by ep={cfg.ep}: every expert-"
+                         "parallel rank must own the same number of experts")
+    s = seq_len if seq_len is not None else model.seq_len
+    if cfg.sequence_parallel and s % (cfg.tp * cfg.cp):
+        raise ValueError(f"sequence length {s} is not divisible by tp*cp={cfg.tp * cfg.cp} needed by "
+                         f"sequence parallelism: use a length that is a multiple of {cfg.tp * cfg.cp}")
+    if cfg.cp > 1 and s % (2 * cfg.cp):
+        raise ValueError(f"sequence length {s} is not divisible by 2*cp={2 * cfg.cp}: context "
+                         "parallelism cuts each sequence into 2*cp chunks to balance causal work")
+
+
+class Grid:
+    """This rank's place on the grid and its process groups. Built once per config.
+
+    Every rank must build the same grids in the same order (new_group is collective).
+    """
+
+    def __init__(self, config: ParallelConfig):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        config.validate(world_size=world)
+        self.config = config
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = world
+        self.coords = config.coords(self.rank)
+        self.device = _default_device()
+        self.groups: dict[str, Group] = {}
+        for name, dims in GROUP_DIMS.items():
+            self.groups[name] = _build(name, config.group_ranks(dims), self.rank)
+        self.groups["embedding"] = _build("embedding", config.embedding_ranks(), self.rank)
+
+    # Attribute access reads like Megatron: grid.tp, grid.tp_rank, grid.is_last_stage
+    def __getattr__(self, name):
+        groups = self.__dict__.get("groups", {})
+        if name in groups:
+            return groups[name]
+        if name.endswith("_rank") and name[:-5] in DIMS:
+            return self.__dict__["coords"][name[:-5]]
+        raise AttributeError(name)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.config.sequence_parallel
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.config.pp - 1
+
+    def describe(self) -> str:
+        c = ", ".join(f"{d}={self.coords[d]}" for d in DIMS)
+        return f"rank {self.rank}: {c}"
+
+    def __repr__(self) -> str:
+        return f"Grid({self.config}, {self.describe()})"
+
+
+def _build(name: str, all_ranks: list[list[int]], me: int) -> Group:
+    mine = None
+    for ranks in all_ranks:
+        # new_group must be entered by every rank for every group, in the same order.
+        pg = dist.new_group(ranks, timeout=comm.TIMEOUT) if len(ranks) > 1 else None
+        if me in ranks:
+            mine = Group(name, ranks, pg)
+    assert mine is not None, f"rank {me} is in no {name} group"
+    return mine
+
+
+def _default_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_GRIDS: dict[tuple, Grid] = {}
+
+
+def build_grid(config: ParallelConfig) -> Grid:
+    """The Grid for `config`, built on first use and reused (creating groups is slow)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    key = (id(world), config)
+    if key not in _GRIDS:
+        _GRIDS[key] = Grid(config)
+    return _GRIDS[key]
+
+
+__all__ = ["DIMS", "GROUP_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size",
+           "validate_model"]

@@ -1,0 +1,318 @@
+"""Run one function on N ranks: from a script, from pytest, from a notebook, or under torchrun.
+
+    results = minitron.launch(fn, *args, world_size=4)   # one result per rank, rank order
+
+On one machine `launch` forks N processes (the function may be defined in a notebook: a
+forked child already has it, nothing is pickled), gives each a gloo process group (nccl when
+there is one GPU per rank), runs fn, and returns what each rank returned. What a rank prints
+is captured and echoed after the run, rank by rank, so notebook output is deterministic.
+
+Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) the same call runs fn on this
+process only and returns every rank's result, gathered.
+
+Failures never hang:
+  * a rank that raises makes `launch` raise `RankError` with that rank's traceback;
+  * a rank that dies (killed, segfault, os._exit) is reported with its exit code and the
+    operation it was in (minitron.comm publishes that to the parent);
+  * a collective that a peer never joins times out after `timeout` seconds inside the rank
+    (gloo/nccl timeout) and comes back as the first case, naming rank and operation.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+DEFAULT_TIMEOUT = float(os.environ.get("MINITRON_TIMEOUT", "120"))
+_STATUS_LEN = 200
+_in_worker = False
+
+
+class RankError(RuntimeError):
+    """A rank raised, died, or did not finish."""
+
+
+def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
+           timeout: float = DEFAULT_TIMEOUT, echo: bool = True, **kwargs) -> list[Any]:
+    if _in_worker:
+        raise RuntimeError("launch() was called inside a launched rank: call fn directly there")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if _under_torchrun():
+        return _launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout)
+    backend = backend or _pick_backend(world_size)
+    ranks = [_Rank(r, world_size) for r in range(world_size)]
+    port = _free_port()
+    for r in ranks:
+        r.start(_child_main, (r.rank, world_size, port, backend, timeout, fn, args, kwargs))
+    try:
+        return _collect(ranks, echo, timeout)
+    finally:
+        for r in ranks:
+            r.kill()
+
+
+# ----------------------------------------------------------------------------------------
+# One forked rank: a process, a pipe for its result, a shared string for what it is doing
+# ----------------------------------------------------------------------------------------
+class _Rank:
+    ctx = mp.get_context("fork")
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.status = self.ctx.Array("c", _STATUS_LEN, lock=False)
+        self.parent_conn, self.child_conn = self.ctx.Pipe(duplex=True)
+
+    def start(self, target, args):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError("CUDA was initialised in this process before launch(); a forked "
+                               "rank cannot inherit it. Do all CUDA work inside the launched "
+                               "function, or run the script under torchrun.")
+        self.process = self.ctx.Process(target=target, args=(*args, self.child_conn, self.status),
+                                        daemon=True)
+        self.process.start()
+        self.child_conn.close()
+
+    def doing(self) -> str:
+        return self.status.value.decode(errors="replace") or "starting up"
+
+    def kill(self):
+        p = getattr(self, "process", None)
+        if p is not None and p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn, status):
+    # A forked child whose parent already used torch's thread pool deadlocks at its first
+    # matmul unless it resets the pool first; one thread per rank also suits small CPUs.
+    torch.set_num_threads(1)
+    global _in_worker
+    _in_worker = True
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+
+    def publish(what: str):
+        status.value = what.encode()[:_STATUS_LEN - 1]
+
+    comm.set_status_hook(publish)
+    publish("init_process_group")
+    out, err = io.StringIO(), io.StringIO()
+    sys.stdout, sys.stderr = out, err
+    try:
+        _init(backend, rank, world_size, timeout)
+        publish("running")
+        payload = ("ok", fn(*args, **kwargs))
+    except BaseException:
+        payload = ("error", traceback.format_exc())
+    try:
+        data = pickle.dumps((*payload, out.getvalue(), err.getvalue()))
+    except Exception as e:
+        data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {e}",
+                             out.getvalue(), err.getvalue()))
+    conn.send_bytes(data)
+    try:
+        conn.recv_bytes()  # the parent says when everyone is done; then tear down together
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        pass
+    os._exit(0)  # never run the parent's atexit handlers (a Jupyter kernel's, say)
+
+
+def _collect(ranks: list[_Rank], echo: bool, timeout: float) -> list[Any]:
+    pending = {r.parent_conn: r for r in ranks}
+    sentinels = {r.process.sentinel: r for r in ranks}
+    replies: dict[int, tuple] = {}
+    while pending:
+        # Once one rank has finished, the others get `timeout` more seconds (a backstop:
+        # a stuck collective normally times out inside the rank first and reports itself).
+        ready = mp.connection.wait([*pending, *sentinels], timeout=timeout + 30 if replies else None)
+        if not ready:
+            stuck = "\n".join(f"  rank {r.rank}: {r.doing()}" for r in pending.values())
+            raise RankError(f"ranks {sorted(replies)} finished but these did not within "
+                            f"{timeout + 30:.0f} s:\n{stuck}")
+        for obj in ready:
+            if obj in pending:
+                r = pending.pop(obj)
+                try:
+                    replies[r.rank] = pickle.loads(obj.recv_bytes())
+                except EOFError:  # died before replying
+                    r.process.join()
+                    _echo(replies, echo)
+                    raise RankError(f"rank {r.rank} died with {_exit_reason(r.process.exitcode)} "
+                                    f"while in: {r.doing()}") from None
+                sentinels.pop(r.process.sentinel, None)
+                if replies[r.rank][0] == "error":
+                    _echo(replies, echo)
+                    others = [f"  rank {o.rank}: {o.doing()}" for o in ranks
+                              if o.rank not in replies]
+                    waiting = ("\nThe other ranks were stopped while doing:\n" + "\n".join(others)
+                               if others else "")
+                    raise RankError(f"rank {r.rank} raised:\n{replies[r.rank][1]}{waiting}")
+            elif obj in sentinels:
+                r = sentinels.pop(obj)
+                if r.parent_conn in pending and not r.parent_conn.poll():
+                    r.process.join()
+                    _echo(replies, echo)
+                    raise RankError(f"rank {r.rank} died with {_exit_reason(r.process.exitcode)} "
+                                    f"while in: {r.doing()}")
+    for r in ranks:
+        try:
+            r.parent_conn.send_bytes(b"done")
+        except OSError:
+            pass
+    for r in ranks:
+        r.process.join(10)
+    _echo(replies, echo)
+    return [replies[r.rank][1] for r in ranks]
+
+
+def _echo(replies: dict[int, tuple], echo: bool) -> None:
+    if not echo:
+        return
+    for rank in sorted(replies):
+        _, _, out, err = replies[rank]
+        for text, stream in ((out, sys.stdout), (err, sys.stderr)):
+            for line in text.splitlines():
+                print(f"[rank {rank}] {line}", file=stream)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+# ----------------------------------------------------------------------------------------
+# Process groups
+# ----------------------------------------------------------------------------------------
+def _pick_backend(world_size: int) -> str:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _init(backend: str, rank: int, world_size: int, timeout: float) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    comm.TIMEOUT = datetime.timedelta(seconds=timeout)  # every later group gets it too
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout):
+    world = int(os.environ["WORLD_SIZE"])
+    if world != world_size:
+        raise ValueError(f"torchrun started {world} processes but launch() asked for "
+                         f"world_size={world_size}: make them agree (torchrun --nproc-per-node ...)")
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        _init(backend, int(os.environ["RANK"]), world, timeout)
+    result = fn(*args, **kwargs)
+    results: list[Any] = [None] * world
+    dist.all_gather_object(results, result)
+    return results
+
+
+# ----------------------------------------------------------------------------------------
+# A pool of ranks that stays up: tests run hundreds of small jobs without paying for process
+# start-up and process-group set-up each time.
+# ----------------------------------------------------------------------------------------
+class WorkerPool:
+    """`pool.run(fn, *args)` runs fn on every rank of a long-lived world, returns the results.
+
+    fn and args are pickled, so fn must be importable (a module-level function). If any rank
+    fails, the whole pool is torn down (its collectives may be out of step) and the error is
+    raised; the next `run` starts a fresh world.
+    """
+
+    def __init__(self, world_size: int, backend: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT):
+        self.world_size, self.timeout = world_size, timeout
+        self.backend = backend or _pick_backend(world_size)
+        self.ranks: list[_Rank] = []
+
+    def _start(self):
+        self.ranks = [_Rank(r, self.world_size) for r in range(self.world_size)]
+        port = _free_port()
+        for r in self.ranks:
+            r.start(_pool_main, (r.rank, self.world_size, port, self.backend, self.timeout))
+
+    def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
+        if not self.ranks:
+            self._start()
+        job = pickle.dumps((fn, args, kwargs))
+        for r in self.ranks:
+            r.parent_conn.send_bytes(job)
+        try:
+            replies = []
+            for r in self.ranks:
+                if not r.parent_conn.poll(self.timeout + 30):
+                    raise RankError(f"rank {r.rank} gave no answer within {self.timeout + 30:.0f} s; "
+                                    f"it was in: {r.doing()}")
+                try:
+                    reply = pickle.loads(r.parent_conn.recv_bytes())
+                except EOFError:
+                    r.process.join(5)
+                    raise RankError(f"rank {r.rank} died with {_exit_reason(r.process.exitcode)} "
+                                    f"while in: {r.doing()}") from None
+                if reply[0] == "error":
+                    raise RankError(f"rank {r.rank} raised:\n{reply[1]}")
+                replies.append(reply[1])
+            return replies
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        for r in self.ranks:
+            r.kill()
+        self.ranks = []
+
+
+def _pool_main(rank, world_size, port, backend, timeout, conn, status):
+    torch.set_num_threads(1)  # see _child_main
+    global _in_worker
+    _in_worker = True
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    comm.set_status_hook(lambda what: setattr(status, "value", what.encode()[:_STATUS_LEN - 1]))
+    _init(backend, rank, world_size, timeout)
+    while True:
+        try:
+            job = conn.recv_bytes()
+        except EOFError:
+            os._exit(0)
+        try:
+            fn, args, kwargs = pickle.loads(job)
+            reply = ("ok", fn(*args, **kwargs))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        try:
+            data = pickle.dumps(reply)
+        except Exception as e:
+            data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {e}"))
+        conn.send_bytes(data)
