@@ -1,0 +1,308 @@
+"""Flash attention: softmax(q k^T * scale) v without ever storing the
+[sq, sk] score matrix, with grouped-query attention and an optional causal mask
+(query i sees keys j <= i, both indexed from 0).
+
+Forward: a program instance owns BLOCK_M queries of one (batch, query head)
+and walks over the keys BLOCK_N at a time. It keeps, per query, the running
+max m, the running sum l of exp(s - m) and the unnormalised output acc. When a
+new block raises the max, everything summed so far was exponentiated against
+the old max, so l and acc are multiplied by exp(m_old - m_new) (the online
+softmax rescale). At the end out = acc / l and lse = m + log(l) is saved:
+4 bytes a query, from which backward rebuilds any probability exactly as
+P = exp(s - lse), instead of storing P (sq * sk) or O's softmax state.
+Exponentials use exp2 with log2(e) folded into the scale (one multiply less).
+
+Backward (FlashAttention-2 split): delta = rowsum(dO * O) first; then one
+kernel where a program owns BLOCK_N keys of one kv head and loops over every
+query head of its group and every query block, accumulating dK and dV in
+registers (so the GQA sum needs no atomics); and one kernel where a program
+owns BLOCK_M queries and accumulates dQ. Both recompute P from lse.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .ops import alloc, interpreting
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, lo, hi, sk, qk_scale,
+               MASK_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr,
+               PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = K + offs_n[None, :] * stride_kn + offs_d[:, None]  # k loaded transposed: [D, N]
+        v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :]
+        if EVEN_N:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < sk, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < sk, other=0.0)
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale  # log2 units
+        if MASK_CAUSAL:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        if not EVEN_N:
+            s = tl.where(offs_n[None, :] < sk, s, float("-inf"))
+        # every row already saw key 0 in the first block, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescale of what was summed against the old max
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+              HQ, GROUP, sq, sk, qk_scale, CAUSAL: tl.constexpr, EVEN_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP  # grouped-query attention: this head's kv head
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    Q += b.to(tl.int64) * sqb + h * sqh
+    K += b.to(tl.int64) * skb + hk * skh
+    V += b.to(tl.int64) * svb + hk * svh
+    q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :], mask=offs_m[:, None] < sq, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CAUSAL:
+        # keys below this block's first query are visible to all its rows: no mask;
+        # only the diagonal stretch needs one (BLOCK_M is a multiple of BLOCK_N)
+        diag = tl.minimum(pid_m * BLOCK_M, sk)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, 0, diag, sk,
+                                   qk_scale, False, EVEN_N, BLOCK_N, PREC)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, diag,
+                                   tl.minimum(pid_m * BLOCK_M + BLOCK_M, sk), sk, qk_scale, True,
+                                   EVEN_N, BLOCK_N, PREC)
+    else:
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, 0, sk, sk,
+                                   qk_scale, False, EVEN_N, BLOCK_N, PREC)
+    row_ok = offs_m < sq
+    O += b.to(tl.int64) * sob + h * soh
+    tl.store(O + offs_m[:, None] * som + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    lse = (m_i + tl.log2(l_i)) / 1.4426950408889634  # back to natural log
+    tl.store(LSE + bh.to(tl.int64) * sq + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_delta(O, DO, DELTA, rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij: the softmax-backward row term
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = offs[:, None] < rows
+    ptrs = offs[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + offs, tl.sum(o * do, axis=1), mask=offs < rows)
+
+
+@triton.jit
+def _bwd_kv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, offs_n, offs_d, lo, hi, sq, qk_scale,
+                  MASK_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  PREC: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < sq
+        q = tl.load(Q + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        # lse = +inf past the last query makes those P exactly 0
+        lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
+        # work with transposes ([keys, queries]) so dK, dV come out of plain dots
+        pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+        if MASK_CAUSAL:
+            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, HQ, HKV, GROUP, sq, sk, sm_scale, qk_scale,
+                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    # all tensors here are contiguous [b, heads, s, d]
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // HKV
+    hk = bhk % HKV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n[:, None] < sk
+    kv_off = bhk.to(tl.int64) * sk * HEAD_DIM
+    k = tl.load(K + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=col_ok, other=0.0)
+    v = tl.load(V + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=col_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for g in range(0, GROUP):  # every query head that reads this kv head
+        bh = (b * HQ + hk * GROUP + g).to(tl.int64)
+        q_off = bh * sq * HEAD_DIM
+        if CAUSAL:
+            # queries before this key block cannot see it; the diagonal stretch
+            # needs the mask (BLOCK_N is a multiple of BLOCK_M), the rest does not
+            lo = pid_n * BLOCK_N
+            dk, dv = _bwd_kv_inner(dk, dv, k, v, Q + q_off, DO + q_off, LSE + bh * sq, DELTA + bh * sq,
+                                   offs_n, offs_d, lo, tl.minimum(lo + BLOCK_N, sq), sq, qk_scale,
+                                   True, HEAD_DIM, BLOCK_M, PREC)
+            dk, dv = _bwd_kv_inner(dk, dv, k, v, Q + q_off, DO + q_off, LSE + bh * sq, DELTA + bh * sq,
+                                   offs_n, offs_d, lo + BLOCK_N, sq, sq, qk_scale, False, HEAD_DIM,
+                                   BLOCK_M, PREC)
+        else:
+            dk, dv = _bwd_kv_inner(dk, dv, k, v, Q + q_off, DO + q_off, LSE + bh * sq, DELTA + bh * sq,
+                                   offs_n, offs_d, 0, sq, sq, qk_scale, False, HEAD_DIM, BLOCK_M, PREC)
+    tl.store(DK + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
+    tl.store(DV + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _bwd_q_inner(dq, q, do, lse, delta, K, V, offs_m, offs_d, lo, hi, sk, qk_scale,
+                 MASK_CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n[:, None] < sk
+        k = tl.load(K + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=col_ok, other=0.0)
+        v = tl.load(V + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=col_ok, other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        if MASK_CAUSAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        if not EVEN_N:
+            p = tl.where(offs_n[None, :] < sk, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, HQ, HKV, GROUP, sq, sk, sm_scale, qk_scale,
+                 CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HQ
+    hk = (bh % HQ) // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < sq
+    q_off = bh * sq * HEAD_DIM
+    kv_off = (b * HKV + hk) * sk * HEAD_DIM
+    q = tl.load(Q + q_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bh * sq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * sq + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CAUSAL:
+        diag = tl.minimum(pid_m * BLOCK_M, sk)  # BLOCK_M is a multiple of BLOCK_N
+        dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, 0, diag, sk,
+                          qk_scale, False, EVEN_N, HEAD_DIM, BLOCK_N, PREC)
+        dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, diag,
+                          tl.minimum(pid_m * BLOCK_M + BLOCK_M, sk), sk, qk_scale, True, EVEN_N,
+                          HEAD_DIM, BLOCK_N, PREC)
+    else:
+        dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, 0, sk, sk,
+                          qk_scale, False, EVEN_N, HEAD_DIM, BLOCK_N, PREC)
+    tl.store(DQ + q_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _configs(pairs):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+
+
+# GPU block sizes, picked by autotune once per shape; the interpreter uses 16 x 16.
+# Constraints: forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV BLOCK_N % BLOCK_M == 0.
+_KEY = ["sq", "sk", "HEAD_DIM", "CAUSAL"]
+_fwd_tuned = triton.autotune(_configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                                       (64, 64, 4, 4), (128, 32, 4, 4)]), key=_KEY)(_attn_fwd)
+_dkdv_tuned = triton.autotune(_configs([(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 8, 3),
+                                        (64, 128, 8, 2)]), key=_KEY)(_attn_bwd_dkdv)
+_dq_tuned = triton.autotune(_configs([(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+                                      (128, 32, 8, 2)]), key=_KEY)(_attn_bwd_dq)
+_SMALL = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _launch(plain, tuned, grid, *args, **kwargs):
+    if interpreting():
+        plain[grid({**kwargs, **_SMALL})](*args, **kwargs, **_SMALL)
+    else:
+        tuned[grid](*args, **kwargs)
+
+
+def _even(sk):  # no key tail to mask whatever BLOCK_N autotune picks
+    return sk % (16 if interpreting() else 128) == 0
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def attention_forward(q, k, v, causal, scale):
+    """(out, lse) for q [b, hq, sq, d], k/v [b, hkv, sk, d]; no autograd."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if hq % hkv or d not in (16, 32, 64, 128, 256) or v.shape != k.shape or k.shape[0] != b:
+        raise ValueError(f"unsupported shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o = alloc((b, hq, sq, d), q.dtype, q.device)
+    lse = alloc((b, hq, sq), torch.float32, q.device)
+    _launch(_attn_fwd, _fwd_tuned, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
+            q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            hq, hq // hkv, sq, sk, scale * LOG2E, CAUSAL=bool(causal), EVEN_N=_even(sk),
+            HEAD_DIM=d, PREC=_precision(q.dtype))
+    return o, lse
+
+
+def attention_backward(do, q, k, v, o, lse, causal, scale, dlse=None):
+    """(dq, dk, dv) given the forward's o and lse; dlse, if given, is the
+    gradient reaching lse (ring attention merges partials through it):
+    d lse_i / d s_ij = P_ij, so it only shifts delta."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))  # dense [b, h, s, d] from here
+    delta = alloc((b, hq, sq), torch.float32, q.device)
+    rows = b * hq * sq
+    _bwd_delta[(triton.cdiv(rows, 64),)](o, do, delta, rows, HEAD_DIM=d, BLOCK=64)
+    if dlse is not None:
+        delta -= dlse
+    dq = alloc(q.shape, q.dtype, q.device)
+    dk, dv = alloc(k.shape, k.dtype, k.device), alloc(v.shape, v.dtype, v.device)
+    args = (q, k, v, do, lse, delta)
+    sizes = (hq, hkv, hq // hkv, sq, sk, scale, scale * LOG2E)
+    common = dict(CAUSAL=bool(causal), HEAD_DIM=d, PREC=_precision(q.dtype))
+    _launch(_attn_bwd_dkdv, _dkdv_tuned, lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), b * hkv),
+            *args, dk, dv, *sizes, **common)
+    _launch(_attn_bwd_dq, _dq_tuned, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
+            *args, dq, *sizes, EVEN_N=_even(sk), **common)
+    return dq, dk, dv
+
+
+class FlashAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        o, lse = attention_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.set_materialize_grads(False)  # an unused lse then brings None, not zeros
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do
+        return (*attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, dlse), None, None)

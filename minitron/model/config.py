@@ -1,0 +1,53 @@
+"""The shape of a GPT, shared by the single-device reference and every parallel version."""
+from __future__ import annotations
+
+import dataclasses
+
+CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"),
+           "position": ("learned", "rope")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    seq_len: int = 32             # longest sequence (learned positions have this many rows)
+    hidden: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention when < n_heads; None: = n_heads
+    ffn_hidden: int | None = None  # None: 4 * hidden
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    position: str = "learned"
+    dropout: float = 0.0          # embedding, attention-probability and residual dropout
+    tie_embeddings: bool = False
+    bias: bool = True             # biases on the linear layers (norms always have theirs)
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    rope_base: float = 10000.0
+    use_kernels: bool = False     # fused Triton kernels where minitron.kernels provides them
+
+    def __post_init__(self):
+        for field, allowed in CHOICES.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: choose one of {allowed}")
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden

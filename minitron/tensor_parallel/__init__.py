@@ -1,0 +1,8 @@
+"""Tensor (and sequence) parallelism: split each layer's matrices across a group of ranks."""
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_model_parallel_region,
+                       reduce_from_tensor_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region,
+                       scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+from .random import DropoutRNG

@@ -1,0 +1,32 @@
+"""Shared fixtures. Multi-process tests run on worker pools started once per session."""
+import os
+
+import pytest
+
+import minitron
+
+_pools: dict[int, minitron.WorkerPool] = {}
+
+
+@pytest.fixture(scope="session")
+def run_ranks():
+    """run_ranks(fn, *args, world_size=N) -> [result of rank 0, ..., rank N-1].
+
+    fn must be a module-level function (it is pickled by name). One pool per world size
+    lives for the whole session, so a test costs its own work, not process start-up.
+    """
+    def run(fn, *args, world_size: int, **kwargs):
+        if world_size not in _pools:
+            _pools[world_size] = minitron.WorkerPool(world_size, timeout=60)
+        return _pools[world_size].run(fn, *args, **kwargs)
+
+    yield run
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_env():
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    yield
