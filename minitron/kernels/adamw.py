@@ -37,7 +37,7 @@ def _adamw_kernel(P, G, M, V, OUT, n, decay, w1, beta2, one_minus_beta2, eps, st
         m = tl.fma(w1, g - m, m)
     v = tl.fma(one_minus_beta2 * g, g, v * beta2)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps  # IEEE-rounded, like torch's
-    p = p + (-step_size) * tl.div_rn(m, denom)
+    p = p + tl.div_rn(-step_size * m, denom)  # addcdiv: (value * t1) / t2
     tl.store(P + offs, p, mask=mask)
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)

@@ -48,33 +48,45 @@ def _triton_importable():
     except Exception:
         return False
     if interpreting():
-        _fix_interpreter_bf16_dot()
+        _fix_interpreter_bf16()
     return True
 
 
-def _fix_interpreter_bf16_dot():
-    # The interpreter stores bfloat16 as raw uint16 and its tl.dot multiplies
-    # those integers (seen in triton 3.9). Widen bf16 operands to fp32 first:
-    # on a GPU a bf16 dot multiplies exactly and accumulates in fp32, so this
-    # is the same arithmetic. Only the interpreter is touched, never a GPU run.
+def _fix_interpreter_bf16():
+    """Two bfloat16 bugs of the interpreter (seen in triton 3.9), fixed so that
+    CPU runs do the arithmetic a GPU does. Only the interpreter is touched.
+
+    * It stores bf16 as raw uint16 and tl.dot multiplies those integers: widen
+      bf16 operands to fp32 first (a GPU bf16 dot multiplies exactly and
+      accumulates in fp32, so this is the same arithmetic).
+    * Its fp32 -> bf16 cast truncates; a GPU rounds to nearest even.
+    """
     try:
+        import numpy as np
         import triton.language as tl
-        from triton.runtime.interpreter import InterpreterBuilder
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
     except Exception:
         return
-    original = InterpreterBuilder.create_dot
-    if getattr(original, "_minitron_fixed", False):
+    if getattr(InterpreterBuilder, "_minitron_fixed", False):
         return
+    dot, cast = InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl
 
     def create_dot(self, a, b, d, *args, **kwargs):
         if a.dtype.scalar == tl.bfloat16:
-            a = self.cast_impl(a, tl.float32)
+            a = cast(self, a, tl.float32)
         if b.dtype.scalar == tl.bfloat16:
-            b = self.cast_impl(b, tl.float32)
-        return original(self, a, b, d, *args, **kwargs)
+            b = cast(self, b, tl.float32)
+        return dot(self, a, b, d, *args, **kwargs)
 
-    create_dot._minitron_fixed = True
-    InterpreterBuilder.create_dot = create_dot
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            f32 = torch.from_numpy(np.array(src.data, dtype=np.float32))  # a contiguous copy
+            bits = f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return TensorHandle(bits, tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    InterpreterBuilder.create_dot, InterpreterBuilder.cast_impl = create_dot, cast_impl
+    InterpreterBuilder._minitron_fixed = True
 
 
 def available():

@@ -1,0 +1,306 @@
+"""Every fused kernel against a float64 torch reference, forward and gradients.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors, which is
+slow, so shapes are tiny but deliberately awkward: 37 rows, hidden 97, seq 33,
+vocab 1013, so that every kernel has a tail to mask. With a GPU (and
+TRITON_INTERPRET unset) the same checks run compiled on CUDA, in 16-bit too.
+
+Every output buffer a kernel writes starts as NaN (ops.POISON), so an element
+no program instance wrote fails the comparison.
+"""
+import os
+
+import torch
+
+# Before anything imports triton: with no GPU, interpret the kernels on the CPU.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from minitron.kernels import ops  # noqa: E402
+
+INTERPRET = ops.interpreting()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        INTERPRET or not torch.cuda.is_available(), reason="needs a GPU, interpreter off")),
+]
+
+# |actual - expected| <= atol * max(1, max|expected|) + rtol * |expected|, per dtype.
+# fp32 kernels differ from float64 by summation order only; 16-bit ones also
+# round their inputs' products' results to 8 (bf16) or 11 (fp16) mantissa bits.
+TOL = {
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (2e-3, 5e-3),
+    torch.bfloat16: (1.6e-2, 2e-2),
+}
+
+
+def assert_close(actual, expected, dtype, what, factor=1.0):
+    """The comparison every test (and the test of the tests) goes through."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    actual = actual.detach().double().cpu()
+    expected = expected.detach().double().cpu()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values (an unwritten output?)"
+    atol, rtol = (factor * t for t in TOL[dtype])
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    err = (actual - expected).abs()
+    bad = err > atol * scale + rtol * expected.abs()
+    assert not bad.any(), (f"{what} ({dtype}): {int(bad.sum())}/{bad.numel()} elements off, "
+                           f"max error {err.max().item():.3g} at scale {scale:.3g}")
+
+
+@pytest.fixture(autouse=True)
+def poison():
+    ops.POISON = True
+    yield
+    ops.POISON = False
+
+
+def check_op(op, reference, inputs, dtype, what, factor=1.0, grad_factor=None):
+    """Forward and input gradients of op vs the float64 reference."""
+    inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = op(*inputs)
+    diff = [t for t in inputs if t.requires_grad]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, diff, dout)
+
+    ref_in = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    with ops.use_triton(False):
+        ref = reference(*ref_in)
+    ref_grads = torch.autograd.grad(ref, [t for t in ref_in if t.requires_grad], dout.double())
+
+    assert_close(out, ref, dtype, f"{what} forward", factor)
+    for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+        assert_close(g, rg, dtype, f"{what} grad {i}", grad_factor or factor)
+
+
+def rand(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- norms
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 97), (2, 3, 64)])
+def test_rms_norm(device, dtype, shape):
+    torch.manual_seed(0)
+    x = rand(*shape, dtype=dtype, device=device)
+    w = rand(shape[-1], dtype=dtype, device=device) + 1
+    check_op(lambda x, w: ops.rms_norm(x, w, 1e-5), lambda x, w: ops.rms_norm(x, w, 1e-5),
+             [x, w], dtype, "rms_norm", grad_factor=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 97), (2, 3, 64)])
+def test_layer_norm(device, dtype, shape):
+    torch.manual_seed(0)
+    x = rand(*shape, dtype=dtype, device=device, scale=3) + 2  # an offset the mean must remove
+    w = rand(shape[-1], dtype=dtype, device=device) + 1
+    b = rand(shape[-1], dtype=dtype, device=device)
+    check_op(ops.layer_norm, ops.layer_norm, [x, w, b], dtype, "layer_norm", grad_factor=2)
+
+
+# --------------------------------------------------------------------------- softmax
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,shape,causal", [
+    (torch.float32, (1, 2, 33, 33), True),
+    (torch.float16, (2, 1, 17, 17), True),
+    (torch.float32, (1, 2, 7, 45), False),
+])
+def test_scaled_masked_softmax(device, dtype, shape, causal):
+    torch.manual_seed(0)
+    x = rand(*shape, dtype=dtype, device=device, scale=2)
+    op = lambda s: ops.scaled_masked_softmax(s, 0.37, causal)  # noqa: E731
+    check_op(op, op, [x], dtype, "softmax")
+
+
+# --------------------------------------------------------------------------- attention
+ATTN_CASES = [  # b, hq, hkv, sq, sk, d, causal, dtype
+    (1, 2, 1, 33, 33, 16, True, torch.float32),
+    (2, 4, 2, 20, 37, 32, False, torch.float32),
+    (1, 2, 2, 40, 24, 16, True, torch.float32),
+    (1, 2, 1, 33, 33, 16, True, torch.bfloat16),
+    (1, 2, 2, 24, 24, 64, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "-".join(map(str, c[:7])) + f"-{c[7]}"[6:])
+def test_flash_attention(device, case):
+    b, hq, hkv, sq, sk, d, causal, dtype = case
+    torch.manual_seed(0)
+    q = rand(b, hq, sq, d, dtype=dtype, device=device)
+    k = rand(b, hkv, sk, d, dtype=dtype, device=device)
+    v = rand(b, hkv, sk, d, dtype=dtype, device=device)
+    op = lambda q, k, v: ops.flash_attention(q, k, v, causal=causal)  # noqa: E731
+    check_op(op, op, [q, k, v], dtype, "flash_attention", grad_factor=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attention_lse_and_its_gradient(device):
+    """lse is natural-log logsumexp, and gradients flow through it too (ring attention)."""
+    torch.manual_seed(0)
+    q, k, v = (rand(1, 2, 21, 16, dtype=torch.float32, device=device) for _ in range(3))
+
+    def op(q, k, v):
+        out, lse = ops.flash_attention(q, k, v, causal=False, scale=0.3, return_lse=True)
+        return torch.cat([out.flatten(), lse.flatten()])
+
+    check_op(op, op, [q, k, v], torch.float32, "flash_attention+lse")
+
+
+# --------------------------------------------------------------------------- cross entropy
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy(device, dtype):
+    torch.manual_seed(0)
+    N, V = 37, 1013
+    logits = rand(N, V, dtype=dtype, device=device, scale=3)
+    targets = torch.randint(0, V, (N,), device=device)
+    targets[::5] = -100
+    op = lambda x: ops.cross_entropy(x, targets)  # noqa: E731
+    check_op(op, op, [logits], dtype, "cross_entropy")
+    with ops.use_triton(False):  # the fallback is F.cross_entropy itself
+        ref = torch.nn.functional.cross_entropy(logits.double(), targets)
+    assert_close(ops.cross_entropy(logits, targets), ref, dtype, "cross_entropy vs F")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vocab_parallel_cross_entropy_one_shard(device):
+    torch.manual_seed(0)
+    N, V = 37, 1013
+    logits = rand(N, V, dtype=torch.float32, device=device, scale=3)
+    targets = torch.randint(0, V, (N,), device=device)
+    targets[3] = -100
+    ident = lambda t: t  # noqa: E731
+    op = lambda x: ops.vocab_parallel_cross_entropy(x, targets, 0, ident, ident)  # noqa: E731
+    check_op(op, op, [logits], torch.float32, "vocab_parallel_ce")
+    assert op(logits)[3].item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_vocab_parallel_cross_entropy_two_shards(device, use_kernel):
+    """Two tensor-parallel ranks simulated in one process: each rank's fake
+    all-reduce combines its tensor with the other shard's partial statistics."""
+    torch.manual_seed(0)
+    N, V, half = 37, 1013, 500  # uneven shards on purpose
+    logits = rand(N, V, dtype=torch.float32, device=device, scale=3)
+    targets = torch.randint(0, V, (N,), device=device)
+    targets[::7] = -100
+    shards = [logits[:, :half].contiguous(), logits[:, half:].contiguous()]
+    starts = [0, half]
+    with ops.use_triton(use_kernel):
+        partials = [ops.vocab_parallel_ce_partials(s, targets, st) for s, st in zip(shards, starts)]
+        merged = ops.merge_vocab_parallel_partials(partials, targets)
+    ref = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="none")
+    assert_close(merged, ref, torch.float32, "merged partials")
+
+    grads = []
+    for rank in (0, 1):
+        other_max, other_sumexp, other_tgt = partials[1 - rank]
+        global_max = torch.maximum(partials[0][0], partials[1][0])
+
+        def fake_max(t):
+            t.copy_(torch.maximum(t, other_max))
+
+        def fake_sum(t):  # t = [sum-exp at the global max, target logit]
+            t[0] += other_sumexp * torch.exp(other_max - global_max)
+            t[1] += other_tgt
+
+        shard = shards[rank].clone().requires_grad_()
+        with ops.use_triton(use_kernel):
+            loss = ops.vocab_parallel_cross_entropy(shard, targets, starts[rank], fake_max, fake_sum)
+        assert_close(loss, ref, torch.float32, f"rank {rank} losses")
+        (grad,) = torch.autograd.grad(loss.sum(), shard)
+        grads.append(grad)
+    x = logits.double().requires_grad_()
+    ref_loss = torch.nn.functional.cross_entropy(x, targets, reduction="sum")
+    (ref_grad,) = torch.autograd.grad(ref_loss, x)
+    assert_close(torch.cat(grads, 1), ref_grad, torch.float32, "sharded gradient")
+
+
+# --------------------------------------------------------------------------- MLP activations
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu(device, dtype):
+    torch.manual_seed(0)
+    g, u = rand(37, 97, dtype=dtype, device=device, scale=2), rand(37, 97, dtype=dtype, device=device)
+    check_op(ops.swiglu, ops.swiglu, [g, u], dtype, "swiglu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swiglu_on_halves_of_one_projection(device):
+    """gate and up as the two (strided) halves of one [.., 2F] tensor."""
+    torch.manual_seed(0)
+    x = rand(3, 5, 2 * 97, dtype=torch.float32, device=device, scale=2)
+    op = lambda x: ops.swiglu(*x.chunk(2, dim=-1))  # noqa: E731
+    check_op(op, op, [x], torch.float32, "swiglu halves")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu(device, dtype, approximate):
+    torch.manual_seed(0)
+    x, b = rand(37, 97, dtype=dtype, device=device, scale=2), rand(97, dtype=dtype, device=device)
+    op = lambda x, b: ops.bias_gelu(x, b, approximate)  # noqa: E731
+    check_op(op, op, [x, b], dtype, f"bias_gelu[{approximate}]", grad_factor=2)
+
+
+def test_bias_gelu_exact_is_torch_default():
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    with ops.use_triton(False):
+        y = ops.bias_gelu(x, torch.zeros(1, dtype=torch.float64))
+    torch.testing.assert_close(y, torch.nn.functional.gelu(x))
+
+
+# --------------------------------------------------------------------------- AdamW
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_fused_adamw_matches_torch(device, grad_dtype):
+    torch.manual_seed(0)
+    n = 1013
+    hp = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = torch.nn.Parameter(torch.randn(n, device=device))
+    opt = torch.optim.AdamW([ref], fused=False, foreach=False, **hp)
+    p = ref.detach().clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    model = torch.empty(n, dtype=torch.bfloat16, device=device)
+    for step in range(1, 4):
+        grad = torch.randn(n, device=device).to(grad_dtype)
+        ref.grad = grad.float()
+        opt.step()
+        ops.fused_adamw_step(p, grad, m, v, lr=hp["lr"], beta1=0.9, beta2=0.95, eps=hp["eps"],
+                             weight_decay=hp["weight_decay"], step=step, model_param=model)
+    state = opt.state[ref]
+    # "to float32 rounding": a few units in the last place of fp32
+    for name, got, want in (("param", p, ref.detach()), ("exp_avg", m, state["exp_avg"]),
+                            ("exp_avg_sq", v, state["exp_avg_sq"])):
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-9, msg=name)
+    torch.testing.assert_close(model, p.to(torch.bfloat16), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- the switches
+def test_available_and_use_triton_switch(monkeypatch):
+    assert ops.available() == (ops._triton_importable() and (torch.cuda.is_available() or INTERPRET))
+    x = torch.randn(4, 8)
+    with ops.use_triton(False):
+        assert not ops._triton_path(x)
+        with ops.use_triton(True):
+            assert ops._triton_path(x) == (ops.available() and INTERPRET)
+        assert not ops._triton_path(x)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not ops._triton_path(x)  # a CPU tensor, no interpreter: torch
+
+
+def test_poison_is_real():
+    ops.POISON = True
+    assert torch.isnan(ops.alloc((3,), torch.float32, "cpu")).all()
+    ops.POISON = False
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_close(torch.full((3,), float("nan")), torch.zeros(3), torch.float32, "poisoned")
