@@ -1,0 +1,91 @@
+"""Cross entropy over a vocabulary split across the tensor-parallel group.
+
+The output layer is column-parallel: rank r holds the logits of vocabulary rows
+[r*V/tp, (r+1)*V/tp) for every token. Gathering the full [N, V] logits would cost
+N*V*4 bytes per rank; this function needs only three all-reduces of N floats.
+
+For one token with logits x_1..x_V and target t:
+
+    loss = log sum_j exp(x_j) - x_t
+
+1. Max. exp overflows for large x, so shift by a constant m first:
+       log sum_j exp(x_j) = m + log sum_j exp(x_j - m).
+   Any m gives the same value; m = max_j x_j keeps every exponent <= 0. Each rank
+   only sees its shard, so the global max is an all-reduce with op max. (The local
+   max would also be safe for the local sum, but then the ranks' sums would be at
+   different scales and could not simply be added.)
+2. Target logit. Exactly one rank owns column t. That rank contributes x_t - m, the
+   others contribute 0, and an all-reduce (sum) gives every rank x_t - m. Without it
+   the ranks that do not own t would compute the loss with a zero target logit.
+3. Sum of exp. Each rank sums exp(x_j - m) over its columns; an all-reduce (sum)
+   gives the global sum S. Then loss = log S - (x_t - m), the same on every rank.
+
+Backward needs no communication: dloss/dx_j = softmax_j - [j == t], and the
+softmax of this rank's columns is exp(x_j - m) / S, where m and S are already
+global. Each rank writes the gradient of its own shard, scaled by the incoming
+gradient of the loss.
+
+Everything is computed in float32 whatever the logits' dtype (half precision loses
+the small probabilities); the gradient is returned in the logits' dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..comm import Group
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: Group):
+        x = logits.float()
+        v_local = x.shape[-1]
+        vocab_start = group.rank * v_local
+
+        # 1. global max, then shift (a constant per token: it does not change the loss)
+        m = x.max(dim=-1).values
+        comm.all_reduce(m, group, op="max")
+        x = x - m.unsqueeze(-1)
+
+        # 2. the target logit: this rank's value if it owns the target, else 0; sum
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < v_local)
+        local = local.masked_fill(~mine, 0)
+        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(~mine, 0.0).contiguous()
+        comm.all_reduce(target_logit, group, op="sum")
+
+        # 3. the sum of exp(x - max) over the whole vocabulary
+        exp = x.exp_()  # x is our own float32 copy: reuse its memory
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, group, op="sum")
+
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))  # what backward needs, already normalised
+        ctx.save_for_backward(softmax, local, mine)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        # subtract the one-hot only where this rank owns the target column
+        onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1),
+                                                 mine.unsqueeze(-1).to(grad.dtype))
+        grad.sub_(onehot).mul_(grad_loss.float().unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor,
+                                 group: Group) -> torch.Tensor:
+    """Per-token loss (float32, shape of `targets`) from this rank's logits shard [..., V/tp].
+
+    `targets` holds global vocabulary ids in [0, V). Every rank gets the same losses.
+    Take `.mean()` (or a masked mean) of the result for the training loss.
+    """
+    if logits_shard.shape[:-1] != targets.shape:
+        raise ValueError(f"logits shard {tuple(logits_shard.shape)} must be targets' shape "
+                         f"{tuple(targets.shape)} plus a vocabulary dimension")
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group)
