@@ -304,3 +304,72 @@ def test_poison_is_real():
     ops.POISON = False
     with pytest.raises(AssertionError, match="non-finite"):
         assert_close(torch.full((3,), float("nan")), torch.zeros(3), torch.float32, "poisoned")
+
+
+# --------------------------------------------------------------------------- the test of the tests
+# Each case copies a kernel file, plants one bug by a textual edit and checks
+# that the comparison above catches it, while the unedited copy, loaded the
+# same way, passes. The edits are the bugs such kernels really get.
+MUTANTS = {
+    "tail of a row not masked (padding counted in the mean square)": (
+        "rmsnorm", "x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)\n    rstd",
+        "x = tl.load(X + row * stride_x + cols, mask=mask, other=1.0).to(tl.float32)\n    rstd"),
+    "last row never written (caught by the NaN poison)": (
+        "rmsnorm", "_rmsnorm_fwd[(M,)]", "_rmsnorm_fwd[(M - 1,)]"),
+    "causal softmax sees one key too many": (
+        "softmax", "(cols <= row % sq)", "(cols <= row % sq + 1)"),
+    "flash attention causal mask off by one": (
+        "flash_attention", "s = tl.where(offs_m[:, None] >= offs_n[None, :]",
+        "s = tl.where(offs_m[:, None] + 1 >= offs_n[None, :]"),
+    "dK/dV summed over one query head of the group only": (
+        "flash_attention", "for g in range(0, GROUP):", "for g in range(0, 1):"),
+    "vocab tail padded with 0 instead of -inf": (
+        "cross_entropy", 'mask=cols < V, other=float("-inf"))', "mask=cols < V, other=0.0)"),
+}
+
+
+def _load_kernel_copy(tmp_path, name, old, new):
+    import importlib.util
+
+    import minitron.kernels as pkg
+    src = open(os.path.join(os.path.dirname(pkg.__file__), f"{name}.py")).read()
+    assert src.count(old) == 1, f"the edit must hit {name}.py exactly once"
+    src = src.replace(old, new).replace("from .", "from minitron.kernels.")
+    path = tmp_path / f"copy_of_{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"copy_of_{name}_{abs(hash(new))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_through(module, name, device):
+    torch.manual_seed(0)
+    f32 = torch.float32
+    if name == "rmsnorm":
+        x, w = rand(37, 97, dtype=f32, device=device), rand(97, dtype=f32, device=device)
+        check_op(lambda x, w: module.RMSNormFn.apply(x, w, 1e-5),
+                 lambda x, w: ops.rms_norm(x, w, 1e-5), [x, w], f32, "rms_norm")
+    elif name == "softmax":
+        x = rand(1, 2, 33, 33, dtype=f32, device=device)
+        check_op(lambda s: module.ScaledMaskedSoftmaxFn.apply(s, 0.5, True),
+                 lambda s: ops.scaled_masked_softmax(s, 0.5, True), [x], f32, "softmax")
+    elif name == "flash_attention":
+        q = rand(1, 4, 33, 16, dtype=f32, device=device)
+        k, v = (rand(1, 2, 33, 16, dtype=f32, device=device) for _ in range(2))
+        check_op(lambda q, k, v: module.FlashAttentionFn.apply(q, k, v, True, 0.25)[0],
+                 lambda q, k, v: ops.flash_attention(q, k, v, True, 0.25), [q, k, v], f32, "attention")
+    elif name == "cross_entropy":
+        x = rand(37, 1013, dtype=f32, device=device)
+        t = torch.randint(0, 1013, (37,), device=device)
+        check_op(lambda x: module.CrossEntropyFn.apply(x, t, 0, None, None, -100),
+                 lambda x: torch.nn.functional.cross_entropy(x, t, reduction="none"), [x], f32, "ce")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bug", list(MUTANTS))
+def test_the_comparison_catches_planted_bugs(tmp_path, device, bug):
+    name, old, new = MUTANTS[bug]
+    _run_through(_load_kernel_copy(tmp_path, name, old, old), name, device)  # control: passes
+    with pytest.raises(AssertionError):
+        _run_through(_load_kernel_copy(tmp_path, name, old, new), name, device)
