@@ -1,0 +1,45 @@
+# minitron: `make lab` opens the course, `make test` runs every test. Both set up .venv first.
+PYTHON ?= python3
+# The package needs torch>=2.4; the set-up pins one release so a CPU-only machine that
+# already holds it (or macOS, where PyPI's wheel is CPU-only) installs it quickly.
+# Override for your machine, e.g. `make test TORCH='torch==2.11.0'`.
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.minitron-installed
+
+.PHONY: setup lab test grade verify-all bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[course,kernels,test]"
+	@touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab lessons/00_collectives.ipynb
+
+# The whole suite: unit and multi-process tests, every lesson and solution under nbval,
+# and every unsolved exercise shown to fail its grading.
+test: setup
+	$(BIN)/python -m pytest -q
+
+# Grade your exercises: `make grade` for all, `make grade NB=exercises/01_tensor_parallel_mlp.ipynb` for one.
+NB ?= exercises
+grade: setup
+	$(BIN)/python -m pytest --nbval -p no:cacheprovider $(NB)
+
+verify-all: setup
+	$(BIN)/python -m minitron.verify --tp 2 --steps 3
+	$(BIN)/python -m minitron.verify --tp 2 --sp --steps 3
+	$(BIN)/python -m minitron.verify --tp 4 --sp --steps 3 --norm rmsnorm --activation swiglu --position rope
+
+bench: setup
+	$(BIN)/python -m minitron.bench overhead
+	$(BIN)/python -m minitron.bench kernels
+
+clean-venv:
+	rm -rf $(VENV)
