@@ -97,7 +97,7 @@ class ParallelConfig:
             members = [self.rank_of(**base, **dict(zip(dims, inner)))
                        for inner in product(*(range(getattr(self, d)) for d in dims))]
             groups.append(sorted(members))
-        return groups
+        return sorted(groups)  # listed by first rank, as Megatron prints them: [[0,1],[2,3],...]
 
     def embedding_ranks(self) -> list[list[int]]:
         """First and last pipeline stage of every pipeline (one rank when pp == 1)."""
