@@ -112,12 +112,14 @@ def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn
     publish("init_process_group")
     out, err = io.StringIO(), io.StringIO()
     sys.stdout, sys.stderr = out, err
+    native = _capture_native_output()  # C++ logs (gloo, NCCL) bypass sys.stdout/stderr
     try:
         _init(backend, rank, world_size, timeout)
         publish("running")
         payload = ("ok", fn(*args, **kwargs))
     except BaseException:
         payload = ("error", traceback.format_exc())
+    err.write(native())
     try:
         data = pickle.dumps((*payload, out.getvalue(), err.getvalue()))
     except Exception as e:
@@ -131,6 +133,25 @@ def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn
     except BaseException:
         pass
     os._exit(0)  # never run the parent's atexit handlers (a Jupyter kernel's, say)
+
+
+def _capture_native_output() -> Callable[[], str]:
+    """Point file descriptors 1 and 2 at a temporary file; return a reader for it.
+
+    In a notebook, ipykernel forwards these descriptors into the cell's output, where text
+    from several ranks would interleave at random and break nbval's comparison."""
+    import tempfile
+    tmp = tempfile.TemporaryFile(mode="w+b")
+    for fd in (1, 2):
+        try:
+            os.dup2(tmp.fileno(), fd)
+        except OSError:
+            pass
+
+    def read() -> str:
+        tmp.seek(0)
+        return tmp.read().decode(errors="replace")
+    return read
 
 
 def _collect(ranks: list[_Rank], echo: bool, timeout: float) -> list[Any]:
