@@ -182,11 +182,12 @@ def _reduce_op(op: str):
 
 def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     """In place: every rank ends with the reduction of all ranks' tensors."""
+    reduce_op = _reduce_op(op)  # a bad op is the caller's ValueError, not a comm failure
     n = group.size
     if n == 1:
         return t
     _count(group, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
-    _call("all_reduce", group, lambda: dist.all_reduce(t, op=_reduce_op(op), group=group.pg))
+    _call("all_reduce", group, lambda: dist.all_reduce(t, op=reduce_op, group=group.pg))
     if op == "avg":
         t.div_(n)
     return t
@@ -206,6 +207,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> torch.Tensor:
     """Reduce across ranks, then keep this rank's 1/n slice along `dim`."""
+    reduce_op = _reduce_op(op)
     n = group.size
     if n == 1:
         return t
@@ -216,7 +218,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum")
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
     _count(group, "reduce_scatter", _nbytes(x), (n - 1) / n * _nbytes(x))
     _call("reduce_scatter", group,
-          lambda: _reduce_scatter_flat(out, x, op=_reduce_op(op), group=group.pg))
+          lambda: _reduce_scatter_flat(out, x, op=reduce_op, group=group.pg))
     if op == "avg":
         out.div_(n)
     return out.movedim(0, dim)
