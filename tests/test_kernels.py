@@ -13,15 +13,31 @@ import os
 import torch
 
 # Before anything imports triton: with no GPU, interpret the kernels on the CPU.
+_SET_HERE = "TRITON_INTERPRET" not in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from minitron.kernels import ops  # noqa: E402
+from minitron.kernels import bench, ops  # noqa: E402
 
 INTERPRET = ops.interpreting()
+_VALUE = os.environ["TRITON_INTERPRET"]
+if _SET_HERE:  # only while this file's tests run (fixture below): the rest of the suite,
+    del os.environ["TRITON_INTERPRET"]  # and the workers it starts, keep torch on CPU
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_while_here():
+    # The kernel modules are imported lazily, by the first op that runs here, so
+    # they see the variable (triton.jit picks interpreter or compiler right then).
+    if _SET_HERE:
+        os.environ["TRITON_INTERPRET"] = _VALUE
+    yield
+    if _SET_HERE:
+        os.environ.pop("TRITON_INTERPRET", None)
+
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=pytest.mark.skipif(
@@ -123,6 +139,7 @@ ATTN_CASES = [  # b, hq, hkv, sq, sk, d, causal, dtype
     (1, 2, 1, 33, 33, 16, True, torch.float32),
     (2, 4, 2, 20, 37, 32, False, torch.float32),
     (1, 2, 2, 40, 24, 16, True, torch.float32),
+    (1, 2, 1, 24, 40, 16, True, torch.float32),
     (1, 2, 1, 33, 33, 16, True, torch.bfloat16),
     (1, 2, 2, 24, 24, 64, True, torch.float16),
 ]
@@ -296,6 +313,22 @@ def test_available_and_use_triton_switch(monkeypatch):
         assert not ops._triton_path(x)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not ops._triton_path(x)  # a CPU tensor, no interpreter: torch
+
+
+def test_bench_smoke(tmp_path, capsys):
+    """The benchmark script end to end at tiny sizes (numbers meaningless here)."""
+    if not INTERPRET:
+        pytest.skip("the GPU run is the real benchmark")
+    path = tmp_path / "k.csv"
+    assert bench.run(["--smoke", "--no-compile", "--quick", "--csv", str(path)]) == 0
+    rows = path.read_text().splitlines()
+    assert rows[0].split(",") == bench.FIELDS and len(rows) > 10
+    os.environ.pop("TRITON_INTERPRET")
+    try:
+        if not torch.cuda.is_available():
+            assert bench.run([]) == 0 and "Nothing was run" in capsys.readouterr().out
+    finally:
+        os.environ["TRITON_INTERPRET"] = _VALUE
 
 
 def test_poison_is_real():

@@ -57,4 +57,5 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, model_param, *, lr, beta1, beta
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, param if model_param is None else model_param, n,
         1 - lr * weight_decay, w1, beta2, 1 - beta2, eps, step_size, bc2_sqrt,
-        LERP_FROM_END=abs(w1) >= 0.5, HAS_OUT=model_param is not None, BLOCK=BLOCK)
+        LERP_FROM_END=abs(w1) >= 0.5, HAS_OUT=model_param is not None, BLOCK=BLOCK,
+        enable_fp_fusion=False)  # torch rounds after every op; tl.fma marks where it does not

@@ -1,22 +1,20 @@
-"""Flash attention: softmax(q k^T * scale) v without ever storing the
-[sq, sk] score matrix, with grouped-query attention and an optional causal mask
-(query i sees keys j <= i, both indexed from 0).
+"""Flash attention: softmax(q k^T * scale) v without ever storing the [sq, sk]
+scores, with grouped-query attention and an optional causal mask (query i
+sees keys j <= i, both indexed from 0).
 
 Forward: a program instance owns BLOCK_M queries of one (batch, query head)
-and walks over the keys BLOCK_N at a time. It keeps, per query, the running
-max m, the running sum l of exp(s - m) and the unnormalised output acc. When a
-new block raises the max, everything summed so far was exponentiated against
-the old max, so l and acc are multiplied by exp(m_old - m_new) (the online
-softmax rescale). At the end out = acc / l and lse = m + log(l) is saved:
-4 bytes a query, from which backward rebuilds any probability exactly as
-P = exp(s - lse), instead of storing P (sq * sk) or O's softmax state.
-Exponentials use exp2 with log2(e) folded into the scale (one multiply less).
+and walks over the keys BLOCK_N at a time, keeping per query the running max
+m, the running sum l of exp(s - m) and the unnormalised output acc. When a
+block raises the max, what was summed so far is scaled by exp(m_old - m_new)
+(the online-softmax rescale). At the end out = acc / l, and lse = m + log(l)
+is saved: 4 bytes a query, from which backward rebuilds every probability as
+P = exp(s - lse) instead of storing P. exp2 with log2(e) folded into the scale
+saves a multiply per score.
 
-Backward (FlashAttention-2 split): delta = rowsum(dO * O) first; then one
-kernel where a program owns BLOCK_N keys of one kv head and loops over every
-query head of its group and every query block, accumulating dK and dV in
-registers (so the GQA sum needs no atomics); and one kernel where a program
-owns BLOCK_M queries and accumulates dQ. Both recompute P from lse.
+Backward (FlashAttention-2): delta = rowsum(dO * O); then a program owning
+BLOCK_N keys of one kv head loops over the query heads of its group and all
+query blocks, summing dK, dV in registers (the GQA sum needs no atomics); and
+a program owning BLOCK_M queries accumulates dQ. Both recompute P from lse.
 """
 import torch
 import triton
@@ -75,18 +73,18 @@ def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # keys below the block's first query are visible to all its rows: no mask; only
+    # the diagonal stretch [diag, end) needs one (BLOCK_M is a multiple of BLOCK_N)
     if CAUSAL:
-        # keys below this block's first query are visible to all its rows: no mask;
-        # only the diagonal stretch needs one (BLOCK_M is a multiple of BLOCK_N)
         diag = tl.minimum(pid_m * BLOCK_M, sk)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, 0, diag, sk,
-                                   qk_scale, False, EVEN_N, BLOCK_N, PREC)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, diag,
-                                   tl.minimum(pid_m * BLOCK_M + BLOCK_M, sk), sk, qk_scale, True,
-                                   EVEN_N, BLOCK_N, PREC)
+        end = tl.minimum(pid_m * BLOCK_M + BLOCK_M, sk)
     else:
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, 0, sk, sk,
-                                   qk_scale, False, EVEN_N, BLOCK_N, PREC)
+        diag = sk
+        end = sk
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, 0, diag, sk,
+                               qk_scale, False, EVEN_N, BLOCK_N, PREC)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, diag, end, sk,
+                               qk_scale, True, EVEN_N, BLOCK_N, PREC)
     row_ok = offs_m < sq
     O += b.to(tl.int64) * sob + h * soh
     tl.store(O + offs_m[:, None] * som + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
@@ -132,9 +130,9 @@ def _bwd_kv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, offs_n, offs_d, lo, hi, sq, q
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, HQ, HKV, GROUP, sq, sk, sm_scale, qk_scale,
-                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    # all tensors here are contiguous [b, heads, s, d]
+                   CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    # all tensors here are contiguous [b, heads, s, d]; key tails are masked on load
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
@@ -147,22 +145,21 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, HQ, HKV, GROUP, sq, sk, sm_s
     v = tl.load(V + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=col_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # queries before this key block cannot see it; the diagonal stretch [lo, mid)
+    # needs the mask (BLOCK_N is a multiple of BLOCK_M), the queries after it do not
+    if CAUSAL:
+        lo = pid_n * BLOCK_N
+        mid = lo + BLOCK_N
+    else:
+        lo = 0
+        mid = 0
     for g in range(0, GROUP):  # every query head that reads this kv head
         bh = (b * HQ + hk * GROUP + g).to(tl.int64)
-        q_off = bh * sq * HEAD_DIM
-        if CAUSAL:
-            # queries before this key block cannot see it; the diagonal stretch
-            # needs the mask (BLOCK_N is a multiple of BLOCK_M), the rest does not
-            lo = pid_n * BLOCK_N
-            dk, dv = _bwd_kv_inner(dk, dv, k, v, Q + q_off, DO + q_off, LSE + bh * sq, DELTA + bh * sq,
-                                   offs_n, offs_d, lo, tl.minimum(lo + BLOCK_N, sq), sq, qk_scale,
-                                   True, HEAD_DIM, BLOCK_M, PREC)
-            dk, dv = _bwd_kv_inner(dk, dv, k, v, Q + q_off, DO + q_off, LSE + bh * sq, DELTA + bh * sq,
-                                   offs_n, offs_d, lo + BLOCK_N, sq, sq, qk_scale, False, HEAD_DIM,
-                                   BLOCK_M, PREC)
-        else:
-            dk, dv = _bwd_kv_inner(dk, dv, k, v, Q + q_off, DO + q_off, LSE + bh * sq, DELTA + bh * sq,
-                                   offs_n, offs_d, 0, sq, sq, qk_scale, False, HEAD_DIM, BLOCK_M, PREC)
+        Qh, DOh, LSEh, DELTAh = Q + bh * sq * HEAD_DIM, DO + bh * sq * HEAD_DIM, LSE + bh * sq, DELTA + bh * sq
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_d, lo,
+                               tl.minimum(mid, sq), sq, qk_scale, True, HEAD_DIM, BLOCK_M, PREC)
+        dk, dv = _bwd_kv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_d, mid, sq, sq,
+                               qk_scale, False, HEAD_DIM, BLOCK_M, PREC)
     tl.store(DK + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
     tl.store(DV + kv_off + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
@@ -207,16 +204,16 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, HQ, HKV, GROUP, sq, sk, sm_scale, 
     lse = tl.load(LSE + bh * sq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh * sq + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        diag = tl.minimum(pid_m * BLOCK_M, sk)  # BLOCK_M is a multiple of BLOCK_N
-        dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, 0, diag, sk,
-                          qk_scale, False, EVEN_N, HEAD_DIM, BLOCK_N, PREC)
-        dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, diag,
-                          tl.minimum(pid_m * BLOCK_M + BLOCK_M, sk), sk, qk_scale, True, EVEN_N,
-                          HEAD_DIM, BLOCK_N, PREC)
+    if CAUSAL:  # as in the forward: unmasked up to the diagonal, masked along it
+        diag = tl.minimum(pid_m * BLOCK_M, sk)
+        end = tl.minimum(pid_m * BLOCK_M + BLOCK_M, sk)
     else:
-        dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, 0, sk, sk,
-                          qk_scale, False, EVEN_N, HEAD_DIM, BLOCK_N, PREC)
+        diag = sk
+        end = sk
+    dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, 0, diag, sk,
+                      qk_scale, False, EVEN_N, HEAD_DIM, BLOCK_N, PREC)
+    dq = _bwd_q_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, offs_m, offs_d, diag, end, sk,
+                      qk_scale, True, EVEN_N, HEAD_DIM, BLOCK_N, PREC)
     tl.store(DQ + q_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -234,37 +231,35 @@ _dkdv_tuned = triton.autotune(_configs([(32, 64, 4, 3), (64, 64, 4, 3), (32, 128
                                         (64, 128, 8, 2)]), key=_KEY)(_attn_bwd_dkdv)
 _dq_tuned = triton.autotune(_configs([(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
                                       (128, 32, 8, 2)]), key=_KEY)(_attn_bwd_dq)
-_SMALL = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
 def _launch(plain, tuned, grid, *args, **kwargs):
-    if interpreting():
-        plain[grid({**kwargs, **_SMALL})](*args, **kwargs, **_SMALL)
+    if interpreting():  # autotuning would run every config, slowly: one small config
+        small = {"BLOCK_M": 16, "BLOCK_N": 16}
+        plain[grid(small)](*args, **kwargs, **small)
     else:
         tuned[grid](*args, **kwargs)
 
 
-def _even(sk):  # no key tail to mask whatever BLOCK_N autotune picks
-    return sk % (16 if interpreting() else 128) == 0
-
-
-def _precision(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+def _flags(q, sk, causal):
+    return dict(CAUSAL=bool(causal), HEAD_DIM=q.shape[-1],
+                PREC="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit
+                EVEN_N=sk % (16 if interpreting() else 128) == 0)  # no key tail, whatever BLOCK_N
 
 
 def attention_forward(q, k, v, causal, scale):
     """(out, lse) for q [b, hq, sq, d], k/v [b, hkv, sk, d]; no autograd."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    if hq % hkv or d not in (16, 32, 64, 128, 256) or v.shape != k.shape or k.shape[0] != b:
+    if hq % hkv or d not in (16, 32, 64, 128, 256) or v.shape != k.shape or k.shape[0] != b \
+            or not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"unsupported shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     o = alloc((b, hq, sq, d), q.dtype, q.device)
     lse = alloc((b, hq, sq), torch.float32, q.device)
     _launch(_attn_fwd, _fwd_tuned, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
             q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            hq, hq // hkv, sq, sk, scale * LOG2E, CAUSAL=bool(causal), EVEN_N=_even(sk),
-            HEAD_DIM=d, PREC=_precision(q.dtype))
+            hq, hq // hkv, sq, sk, scale * LOG2E, **_flags(q, sk, causal))
     return o, lse
 
 
@@ -274,21 +269,23 @@ def attention_backward(do, q, k, v, o, lse, causal, scale, dlse=None):
     d lse_i / d s_ij = P_ij, so it only shifts delta."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    do = do.to(q.dtype)
     q, k, v, o, do = (t.contiguous() for t in (q, k, v, o, do))  # dense [b, h, s, d] from here
     delta = alloc((b, hq, sq), torch.float32, q.device)
     rows = b * hq * sq
-    _bwd_delta[(triton.cdiv(rows, 64),)](o, do, delta, rows, HEAD_DIM=d, BLOCK=64)
+    block = 4096 // d
+    _bwd_delta[(triton.cdiv(rows, block),)](o, do, delta, rows, HEAD_DIM=d, BLOCK=block)
     if dlse is not None:
         delta -= dlse
     dq = alloc(q.shape, q.dtype, q.device)
     dk, dv = alloc(k.shape, k.dtype, k.device), alloc(v.shape, v.dtype, v.device)
     args = (q, k, v, do, lse, delta)
     sizes = (hq, hkv, hq // hkv, sq, sk, scale, scale * LOG2E)
-    common = dict(CAUSAL=bool(causal), HEAD_DIM=d, PREC=_precision(q.dtype))
+    flags = _flags(q, sk, causal)
     _launch(_attn_bwd_dkdv, _dkdv_tuned, lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), b * hkv),
-            *args, dk, dv, *sizes, **common)
+            *args, dk, dv, *sizes, **flags)
     _launch(_attn_bwd_dq, _dq_tuned, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
-            *args, dq, *sizes, EVEN_N=_even(sk), **common)
+            *args, dq, *sizes, **flags)
     return dq, dk, dv
 
 
