@@ -142,6 +142,7 @@ ATTN_CASES = [  # b, hq, hkv, sq, sk, d, causal, dtype
     (1, 2, 1, 24, 40, 16, True, torch.float32),
     (1, 2, 1, 33, 33, 16, True, torch.bfloat16),
     (1, 2, 2, 24, 24, 64, True, torch.float16),
+    (1, 1, 1, 17, 17, 128, False, torch.bfloat16),
 ]
 
 
@@ -155,6 +156,16 @@ def test_flash_attention(device, case):
     v = rand(b, hkv, sk, d, dtype=dtype, device=device)
     op = lambda q, k, v: ops.flash_attention(q, k, v, causal=causal)  # noqa: E731
     check_op(op, op, [q, k, v], dtype, "flash_attention", grad_factor=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attention_strided_layout(device):
+    """q, k, v as [b, s, h, d] projections viewed as [b, h, s, d]: read in place, no copy."""
+    torch.manual_seed(0)
+    q, k, v = (rand(2, 19, h, 16, dtype=torch.float32, device=device) for h in (4, 2, 2))
+    op = lambda q, k, v: ops.flash_attention(  # noqa: E731
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=0.3)
+    check_op(op, op, [q, k, v], torch.float32, "flash_attention strided")
 
 
 @pytest.mark.parametrize("device", DEVICES)

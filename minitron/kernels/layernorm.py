@@ -82,7 +82,7 @@ class LayerNormFn(torch.autograd.Function):
         programs, rows_per_program = backward_programs(M, x2.device)
         dw_part = alloc((programs, N), torch.float32, x2.device)
         db_part = alloc((programs, N), torch.float32, x2.device)
-        BLOCK_N, warps = row_launch_config(N)
+        BLOCK_N, warps = row_launch_config(N, backward=True)
         _layernorm_bwd[(programs,)](x2, weight, dy2, dx, mean, rstd, dw_part, db_part,
                                     x2.stride(0), dy2.stride(0), dx.stride(0), M, N,
                                     rows_per_program, BLOCK_N=BLOCK_N, num_warps=warps)
