@@ -1,0 +1,7 @@
+"""The GPT on one device (reference.py) and split across ranks (parallel.py, convert.py)."""
+from .config import ModelConfig
+from .convert import gather_state_dict, shard_state_dict
+from .parallel import ParallelGPT
+from .reference import GPT
+
+__all__ = ["ModelConfig", "GPT", "ParallelGPT", "shard_state_dict", "gather_state_dict"]

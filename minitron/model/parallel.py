@@ -1,0 +1,228 @@
+"""The reference GPT, split across a tensor-parallel group (optionally sequence-parallel).
+
+The same model as reference.py, with the same module names, built from the parallel layers:
+
+  embedding.word        VocabParallelEmbedding: rows of the table split across tp
+  embedding.position    replicated (learned positions only)
+  attention.qkv         ONE ColumnParallelLinear holding this rank's q, k and v heads,
+                        [q_r; k_r; v_r] per rank (the reference has three Linears q, k, v)
+  attention.out         RowParallelLinear
+  mlp.fc1               ColumnParallelLinear; for SwiGLU it fuses gate and up: [gate_r; up_r]
+                        per rank (the reference has mlp.gate and mlp.fc1)
+  mlp.fc2               RowParallelLinear
+  *_norm                replicated on every rank
+  lm_head               [V/tp, h]: a column-parallel output layer (absent when tied: the
+                        embedding's shard is reused, and it is exactly the right shard)
+
+One fused qkv projection means one f (and so one backward all-reduce) per attention block,
+and one fused gate/up projection one f per MLP. Per layer the traffic is therefore exactly
+two all-reduces of b*s*h elements forward (the g after attention.out and after mlp.fc2)
+and two backward (the f before attention.qkv and before mlp.fc1). Under sequence
+parallelism each all-reduce becomes an all-gather plus a reduce-scatter of the same payload.
+
+Logits stay split by vocabulary, [b, s, V/tp]; the loss comes from
+vocab_parallel_cross_entropy, which never gathers them. Dropout masks come from a DropoutRNG
+with the reference's seed: every rank draws the full mask and keeps its slice, so masks
+match the reference element for element (see tensor_parallel/random.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..grid import Grid, validate_model
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.grads import allreduce_sequence_parallel_grads
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                        gather_from_sequence_parallel_region)
+from ..tensor_parallel.random import DropoutRNG
+from .config import ModelConfig
+from .convert import shard_state_dict
+from .reference import GPT, attention_core, make_norm, rotary
+
+
+def _mark_sequence_parallel(module: nn.Module, sp: bool) -> None:
+    """Under SP a replicated module sees only this rank's tokens: its gradient is partial."""
+    for p in module.parameters():
+        p.sequence_parallel = sp
+
+
+class _Ctx:
+    """What every block needs to know about its place on the grid (not a module)."""
+
+    def __init__(self, cfg: ModelConfig, grid: Grid):
+        self.cfg, self.group = cfg, grid.tp
+        self.tp, self.tp_rank = grid.tp.size, grid.tp.rank
+        self.sp = grid.sequence_parallel
+
+    def dropout(self, x: torch.Tensor, rng: DropoutRNG, training: bool) -> torch.Tensor:
+        """Residual dropout: the reference's [b, s, h] mask, this rank's sequence slice under SP."""
+        if not self.sp:
+            return rng.dropout(x, self.cfg.dropout, training)
+        b, s_local, h = x.shape
+        lo = self.tp_rank * s_local
+        return rng.dropout(x, self.cfg.dropout, training, index=(slice(None), slice(lo, lo + s_local)),
+                           full_shape=(b, s_local * self.tp, h))
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        hd, tp = cfg.head_dim, ctx.tp
+        self.heads, self.kv_heads = cfg.n_heads // tp, cfg.kv_heads // tp   # this rank's
+        self.qkv = ColumnParallelLinear(cfg.hidden, (cfg.n_heads + 2 * cfg.kv_heads) * hd, ctx.group,
+                                        bias=cfg.bias, sequence_parallel=ctx.sp)
+        self.out = RowParallelLinear(cfg.n_heads * hd, cfg.hidden, ctx.group, bias=cfg.bias,
+                                     input_is_parallel=True, sequence_parallel=ctx.sp)
+
+    def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
+        hd = self.cfg.head_dim
+        qkv = self.qkv(x)                       # [b, s, (hq + 2 hkv) * hd / tp], full sequence
+        b, s, _ = qkv.shape
+        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q = q.reshape(b, s, -1, hd).transpose(1, 2)       # [b, heads/tp, s, hd]
+        k = k.reshape(b, s, -1, hd).transpose(1, 2)
+        v = v.reshape(b, s, -1, hd).transpose(1, 2)
+        if self.cfg.position == "rope":          # positions of the full sequence: SP gathered it
+            pos = torch.arange(s, device=x.device)
+            q, k = rotary(q, pos, self.cfg.rope_base), rotary(k, pos, self.cfg.rope_base)
+        first = self.ctx.tp_rank * self.heads   # our heads in the reference's numbering
+        y = attention_core(q, k, v, self.cfg, rng, self.training,
+                           head_index=slice(first, first + self.heads), full_heads=self.cfg.n_heads)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
+        super().__init__()
+        self.cfg = cfg
+        width = 2 * cfg.ffn if cfg.activation == "swiglu" else cfg.ffn   # [gate; up] fused
+        self.fc1 = ColumnParallelLinear(cfg.hidden, width, ctx.group, bias=cfg.bias,
+                                        sequence_parallel=ctx.sp)
+        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, ctx.group, bias=cfg.bias,
+                                     input_is_parallel=True, sequence_parallel=ctx.sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc1(x)                          # the activation is elementwise: apply it per shard
+        if self.cfg.activation == "swiglu":
+            gate, up = z.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(z))
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
+        super().__init__()
+        self.ctx = ctx
+        self.attn_norm = make_norm(cfg)
+        self.attention = ParallelAttention(cfg, ctx)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = ParallelMLP(cfg, ctx)
+        _mark_sequence_parallel(self.attn_norm, ctx.sp)
+        _mark_sequence_parallel(self.mlp_norm, ctx.sp)
+
+    def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
+        drop = self.ctx.dropout
+        x = x + drop(self.attention(self.attn_norm(x), rng), rng, self.training)
+        return x + drop(self.mlp(self.mlp_norm(x)), rng, self.training)
+
+
+class ParallelEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
+        super().__init__()
+        self.ctx = ctx
+        # Under SP the lookup's reduce-scatter leaves [b, s/tp, h]: the sum and the split in one.
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ctx.group,
+                                           sequence_parallel=ctx.sp)
+        if cfg.position == "learned":
+            self.position = nn.Embedding(cfg.seq_len, cfg.hidden)
+            # Under SP each rank adds the rows of its own positions only, so its gradient
+            # holds only those rows: it is summed across tp like the norms'.
+            _mark_sequence_parallel(self.position, ctx.sp)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word(tokens)
+        if hasattr(self, "position"):
+            s_local = x.shape[1]
+            first = self.ctx.tp_rank * s_local if self.ctx.sp else 0
+            x = x + self.position(torch.arange(first, first + s_local, device=tokens.device))
+        return x
+
+
+class ParallelGPT(nn.Module):
+    """forward(tokens) -> logits shard [b, s, V/tp]; forward(tokens, targets) -> (shard, loss)."""
+
+    def __init__(self, cfg: ModelConfig, grid: Grid, seed: int = 0):
+        super().__init__()
+        validate_model(grid.config, cfg)
+        if cfg.use_kernels:
+            raise NotImplementedError("use_kernels arrives with the kernels issue; "
+                                      "build ParallelGPT with use_kernels=False for now")
+        self.cfg, self.grid = cfg, grid
+        self.ctx = ctx = _Ctx(cfg, grid)
+        self.embedding = ParallelEmbedding(cfg, ctx)
+        self.layers = nn.ModuleList(ParallelBlock(cfg, ctx) for _ in range(cfg.n_layers))
+        self.final_norm = make_norm(cfg)
+        _mark_sequence_parallel(self.final_norm, ctx.sp)
+        if not cfg.tie_embeddings:
+            self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, ctx.group, bias=False,
+                                                sequence_parallel=ctx.sp)
+        self.rng = DropoutRNG(seed, device=grid.device)
+        # The same weights as GPT(cfg, seed): initialise the full model once, keep our shards.
+        self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid))
+        self.to(grid.device)
+
+    @classmethod
+    def from_reference(cls, ref: nn.Module, grid: Grid) -> "ParallelGPT":
+        """A ParallelGPT holding this rank's shards of `ref`'s current weights and its RNG seed."""
+        model = cls(ref.cfg, grid, seed=ref.rng.seed)
+        model.load_state_dict(shard_state_dict(ref.state_dict(), ref.cfg, grid))
+        ref_param = next(ref.parameters())
+        return model.to(device=grid.device, dtype=ref_param.dtype)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """X, the input of the first block: [b, s, h], or [b, s/tp, h] under SP."""
+        if tokens.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than "
+                             f"ModelConfig.seq_len={self.cfg.seq_len}")
+        if self.ctx.sp and tokens.shape[1] % self.ctx.tp:
+            raise ValueError(f"sequence parallelism splits the {tokens.shape[1]} tokens across "
+                             f"tp={self.ctx.tp}: use a length that is a multiple of {self.ctx.tp}")
+        return self.ctx.dropout(self.embedding(tokens), self.rng, self.training)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, self.rng)
+        return self.final_norm(x)
+
+    def output_weight(self) -> torch.Tensor:
+        """This rank's rows of the output matrix, [V/tp, h]."""
+        return self.embedding.word.weight if self.cfg.tie_embeddings else self.lm_head.weight
+
+    def output_layer(self, x: torch.Tensor) -> torch.Tensor:
+        """Column-parallel logits [b, s, V/tp] from the final norm's output."""
+        if not self.cfg.tie_embeddings:
+            return self.lm_head(x)
+        # What ColumnParallelLinear.forward does, with the embedding's weight shard.
+        if self.ctx.sp:
+            x = gather_from_sequence_parallel_region(x, self.ctx.group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.ctx.group)
+        return F.linear(x, self.output_weight())
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean over all b*s tokens, the same number as the reference's F.cross_entropy."""
+        return vocab_parallel_cross_entropy(logits, targets, self.ctx.group).mean()
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.output_layer(self.run_layers(self.embed(tokens)))
+        if targets is None:
+            return logits
+        return logits, self.loss(logits, targets)
+
+    def finalize_grads(self) -> None:
+        """Call after backward, before the optimizer step (see tensor_parallel/grads.py)."""
+        allreduce_sequence_parallel_grads(self, self.ctx.group)
