@@ -1,0 +1,153 @@
+"""The launcher: results in rank order, deterministic output, and failures that never hang."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import minitron
+from minitron import comm
+from minitron.comm import Group
+
+SHORT = 3  # seconds: the collective timeout for the failure tests
+
+
+def _world() -> Group:
+    return Group("world", range(dist.get_world_size()), dist.group.WORLD)
+
+
+def _rank_times_ten(offset):
+    return 10 * dist.get_rank() + offset
+
+
+def _print_late_first():
+    # rank 0 prints last in time; the echo must still come in rank order
+    time.sleep(0.3 * (dist.get_world_size() - 1 - dist.get_rank()))
+    print(f"hello from {dist.get_rank()}")
+    print("second line", file=sys.stderr)
+
+
+def _raise_on_rank_1():
+    if dist.get_rank() == 1:
+        raise KeyError("planted failure on rank one")
+    return "fine"
+
+
+def _die_on_rank_1():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    comm.all_reduce(torch.ones(4), _world())  # rank 0 waits for a peer that is gone
+
+
+def _skip_collective():
+    if dist.get_rank() == 0:
+        comm.all_reduce(torch.ones(4), _world())
+    return dist.get_rank()
+
+
+def _mismatched_collective():
+    if dist.get_rank() == 0:
+        comm.all_reduce(torch.ones(4), _world())
+    else:
+        comm.broadcast(torch.ones(4), _world(), src=1)
+
+
+def _nested_launch():
+    return minitron.launch(_rank_times_ten, 0, world_size=2)
+
+
+def test_results_in_rank_order():
+    assert minitron.launch(_rank_times_ten, 5, world_size=4, timeout=30) == [5, 15, 25, 35]
+
+
+def test_output_echoed_in_rank_order(capfd):
+    minitron.launch(_print_late_first, world_size=3, timeout=30)
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [f"[rank {r}] hello from {r}" for r in range(3)]
+    assert [line for line in err.splitlines() if "second line" in line] == \
+        [f"[rank {r}] second line" for r in range(3)]
+
+
+def test_rank_that_raises():
+    with pytest.raises(minitron.RankError) as info:
+        minitron.launch(_raise_on_rank_1, world_size=2, timeout=SHORT)
+    msg = str(info.value)
+    assert "rank 1 raised" in msg
+    assert "Traceback" in msg and "_raise_on_rank_1" in msg and "planted failure on rank one" in msg
+
+
+def test_rank_that_dies_is_reported_quickly():
+    start = time.monotonic()
+    with pytest.raises(minitron.RankError, match="rank 1 died with exit code 3"):
+        minitron.launch(_die_on_rank_1, world_size=2, timeout=SHORT)
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize("fn", [_skip_collective, _mismatched_collective],
+                         ids=["never_joined", "mismatched"])
+def test_stuck_collective_names_rank_and_operation(fn):
+    start = time.monotonic()
+    with pytest.raises(minitron.RankError) as info:
+        minitron.launch(fn, world_size=2, timeout=SHORT)
+    assert time.monotonic() - start < 20
+    msg = str(info.value)
+    assert "rank 0" in msg and "all_reduce" in msg, msg
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, "2"])
+def test_world_size_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        minitron.launch(_rank_times_ten, 0, world_size=bad)
+
+
+def test_launch_inside_a_rank_is_refused():
+    with pytest.raises(minitron.RankError, match="launch\\(\\) was called inside a launched rank"):
+        minitron.launch(_nested_launch, world_size=2, timeout=SHORT)
+
+
+def test_worker_pool_recovers_after_a_failing_job():
+    pool = minitron.WorkerPool(2, timeout=SHORT)
+    try:
+        assert pool.run(_rank_times_ten, 1) == [1, 11]
+        with pytest.raises(minitron.RankError, match="rank 1 raised"):
+            pool.run(_raise_on_rank_1)
+        assert pool.run(_rank_times_ten, 2) == [2, 12]  # a fresh world
+    finally:
+        pool.close()
+
+
+# Each line goes out in one write(): print() may be split, and the two ranks share stdout.
+SCRIPT = """
+    import os
+    import torch.distributed as dist
+    import minitron
+
+    def fn(base):
+        return base + dist.get_rank()
+
+    def say(*words):
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+
+    say("RESULT", minitron.launch(fn, 100, world_size=2))
+    try:
+        minitron.launch(fn, 0, world_size=3)
+    except ValueError as e:
+        say("MISMATCH", "torchrun started 2 processes" in str(e))
+"""
+
+
+def test_under_torchrun(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sorted(line for line in lines if line.startswith("RESULT")) == ["RESULT [100, 101]"] * 2
+    assert [line for line in lines if line.startswith("MISMATCH")] == ["MISMATCH True"] * 2
