@@ -1,0 +1,269 @@
+"""python -m minitron.verify --tp 2 --sp: the split model against one device, number for number.
+
+Both models start from the same weights and the same dropout seed and see the same batches.
+Every step compares, on rank 0 after gathering the shards (for the comparison only):
+logits, loss, dL/dX (X = the input of the first block), every weight gradient, and after
+one AdamW step on each side every weight. AdamW is elementwise, so stepping each rank's
+shards does exactly what stepping the full tensors does.
+
+Prints one row per (step, quantity) with the worst relative error (minitron.testing.rel_err),
+then `PASS max_rel_err=...` (exit 0) or `FAIL ...` (exit 1). Gradients and weights are grouped
+by name with the layer index replaced by `*` (worst over the layers), covering every parameter.
+
+Why AdamW's eps defaults to 1e-6 here, not torch's 1e-8: Adam's first step moves each weight
+by lr * g / (|g| + eps), about lr * sign(g) whatever |g| is. Float32 gradients carry rounding
+noise of ~1e-7 of their tensor's largest entry, and a gradient entry at that level (the key
+bias's gradient is zero in exact arithmetic, so it is all noise) would be moved by up to lr in
+a direction the rounding picked, on each side differently. eps sets the size below which a
+gradient counts as noise; 1e-6 with lr 1e-4 keeps that amplification below the tolerance.
+`--eps 1e-8 --lr 1e-3` shows the effect: only the updated weights (and the next steps) drift.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from . import comm
+from .grid import ParallelConfig, build_grid, validate_model
+from .launch import launch
+from .model.config import CHOICES, ModelConfig
+from .model.convert import gather_state_dict, grads_state_dict
+from .model.parallel import ParallelGPT
+from .model.reference import GPT
+from .tensor_parallel.random import DropoutRNG
+from .testing import rel_err
+
+# Relative-error tolerances. The loss is computed in float32 by both models whatever the
+# dtype (see tensor_parallel/cross_entropy.py), so float64 runs are held to the same bar.
+FLOOR = 1e-3
+TOLERANCES = {"loss": 1e-5, "logits": 1e-4, "dL/dX": 1e-4, "grad": 1e-4, "weight": 1e-4}
+
+# Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
+UNBUILT = {"pp": ("pipeline parallelism", "pipeline stages and schedules, lesson 04"),
+           "dp": ("data parallelism", "data parallel and ZeRO, lesson 06"),
+           "cp": ("context parallelism", "ring attention, lesson 09"),
+           "ep": ("expert parallelism", "mixture of experts, lesson 08"),
+           "virtual_pp": ("interleaved (virtual) pipeline parallelism",
+                          "interleaved schedules, lesson 04")}
+
+
+@dataclasses.dataclass
+class Row:
+    step: int
+    quantity: str
+    err: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol   # False for NaN too
+
+
+@dataclasses.dataclass
+class Report:
+    rows: list[Row]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def max_rel_err(self) -> float:
+        return max(r.err for r in self.rows)
+
+    @property
+    def failures(self) -> list[Row]:
+        return [r for r in self.rows if not r.ok]
+
+    def table(self) -> str:
+        width = max(len(r.quantity) for r in self.rows)
+        lines = [f"{'step':>4}  {'quantity':<{width}}  {'rel_err':>9}  {'tol':>7}  ok"]
+        for r in self.rows:
+            lines.append(f"{r.step:>4}  {r.quantity:<{width}}  {r.err:9.2e}  {r.tol:7.0e}  "
+                         f"{'yes' if r.ok else 'NO'}")
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        if self.passed:
+            return f"PASS max_rel_err={self.max_rel_err:.2e}"
+        worst = max(self.failures, key=lambda r: r.err if r.err == r.err else float("inf"))
+        return (f"FAIL {len(self.failures)} of {len(self.rows)} comparisons; worst: step "
+                f"{worst.step} {worst.quantity} rel_err={worst.err:.2e} > tol={worst.tol:.0e}")
+
+
+def check_built(pcfg: ParallelConfig) -> None:
+    for field, (what, issue) in UNBUILT.items():
+        if getattr(pcfg, field) > 1:
+            raise NotImplementedError(f"{what} is not built yet (issue: {issue}); "
+                                      f"set {field}=1")
+
+
+def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
+    """The tokens and next-token targets of one step, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    data = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"layers\.\d+\.", "layers.*.", name)
+
+
+def _grouped(step: int, kind: str, actual: dict, expected: dict) -> list[Row]:
+    """One row per name pattern: the worst error over the layers it covers.
+
+    Each tensor's error is relative to its own largest entry, but never to less than FLOOR
+    times the largest entry in the whole model: a tensor that is zero up to rounding (the
+    key bias's gradient is exactly zero in exact arithmetic, since softmax ignores a constant
+    added to every score of a query) has no scale of its own to be relative to.
+    """
+    if actual.keys() != expected.keys():
+        differ = sorted(actual.keys() ^ expected.keys())
+        raise AssertionError(f"{kind}: parameter names differ: {differ}")
+    floor = FLOOR * max(e.abs().max().item() for e in expected.values())
+    worst: dict[str, float] = {}
+    for name in expected:
+        e = rel_err(actual[name], expected[name])
+        scale = expected[name].abs().max().item()
+        if scale < floor:
+            e = e * scale / floor if scale > 0 else e / floor
+        p = _pattern(name)
+        worst[p] = max(worst.get(p, 0.0), e) if e == e else float("nan")
+    return [Row(step, f"{kind} {p}", e, TOLERANCES[kind]) for p, e in worst.items()]
+
+
+def parallel_step(model: ParallelGPT, tokens, targets, step_seed: int):
+    """Forward, loss, backward and the gradient fix-up; returns (X, logits shard, loss)."""
+    model.rng.reset(step_seed)
+    x = model.embed(tokens)
+    x.retain_grad()                      # dL/dX, X = the input of the first block
+    logits = model.output_layer(model.run_layers(x))
+    loss = model.loss(logits, targets)
+    loss.backward()
+    model.finalize_grads()
+    return x, logits, loss
+
+
+def reference_step(ref: GPT, tokens, targets, step_seed: int):
+    """The same on the reference: what GPT.forward does, with X kept."""
+    ref.rng.reset(step_seed)
+    x = ref.embed(tokens)
+    x.retain_grad()
+    logits = ref.run_layers(x) @ ref.output_weight().t()
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
+    return x, logits, loss
+
+
+def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.dtype = torch.float32,
+             seed: int = 0, lr: float = 1e-4, eps: float = 1e-6, batch: int = 2,
+             seq: int | None = None) -> list[Row] | None:
+    """The body every rank runs; rank 0 also runs the reference and returns the rows."""
+    grid = build_grid(pcfg)
+    tp, lead, seq = grid.tp, grid.rank == 0, seq or mcfg.seq_len
+    ref = GPT(mcfg, seed).to(dtype)
+    model = ParallelGPT.from_reference(ref, grid)
+    ref.to(grid.device).rng = DropoutRNG(seed, grid.device)   # the same generator as the ranks'
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps)
+    rows: list[Row] = []
+    for step in range(steps):
+        batch_ = make_batch(step, seed, batch, seq, mcfg.vocab_size)
+        tokens, targets = (t.to(grid.device) for t in batch_)
+        step_seed = seed * 1_000 + step       # each step's dropout masks, on both sides
+        x, logits, loss = parallel_step(model, tokens, targets, step_seed)
+        # Gather what rank 0 compares (collectives: every rank takes part).
+        full_logits = comm.all_gather(logits.detach(), tp, dim=-1)
+        dx = comm.all_gather(x.grad, tp, dim=1) if grid.sequence_parallel else x.grad
+        grads = gather_state_dict(grads_state_dict(model), mcfg, grid)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        weights = gather_state_dict(model.state_dict(), mcfg, grid)
+        if not lead:
+            continue
+        ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed)
+        rows += [Row(step, "logits", rel_err(full_logits, ref_logits), TOLERANCES["logits"]),
+                 Row(step, "loss", rel_err(loss, ref_loss), TOLERANCES["loss"]),
+                 Row(step, "dL/dX", rel_err(dx, ref_x.grad), TOLERANCES["dL/dX"])]
+        rows += _grouped(step, "grad", grads, grads_state_dict(ref))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        rows += _grouped(step, "weight", weights, {n: p.detach() for n, p in ref.named_parameters()})
+    return rows if lead else None
+
+
+def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
+           dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
+           batch: int = 2, seq: int | None = None, timeout: float = 120) -> Report:
+    """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report."""
+    check_built(parallel_config)
+    seq = seq or model_config.seq_len
+    validate_model(parallel_config, model_config, seq)
+    rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
+                  world_size=parallel_config.world_size, timeout=timeout)[0]
+    return Report(rows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minitron.verify", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks launched)")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    for opt, field in (("--pp", "pp"), ("--dp", "dp"), ("--cp", "cp"), ("--ep", "ep"),
+                       ("--virtual", "virtual_pp")):
+        g.add_argument(opt, type=int, default=1, dest=field, help=f"{UNBUILT[field][0]} (not built yet)")
+    r = p.add_argument_group("run")
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
+    r.add_argument("--batch", type=int, default=2)
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--hidden", type=int, default=64)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: heads)")
+    m.add_argument("--seq", type=int, default=16)
+    m.add_argument("--vocab", type=int, default=128)
+    m.add_argument("--norm", choices=CHOICES["norm"], default="layernorm")
+    m.add_argument("--activation", choices=CHOICES["activation"], default="gelu")
+    m.add_argument("--position", choices=CHOICES["position"], default="learned")
+    m.add_argument("--dropout", type=float, default=0.1)
+    m.add_argument("--tie", action="store_true", help="tie the output layer to the embedding")
+    m.add_argument("--no-bias", action="store_true", help="no biases on the linear layers")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
+                              virtual_pp=args.virtual_pp, sequence_parallel=args.sp)
+        check_built(pcfg)
+        mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
+                           n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                           norm=args.norm, activation=args.activation, position=args.position,
+                           dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias)
+        validate_model(pcfg, mcfg)
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    print(f"{pcfg}\n{mcfg}\nbatch={args.batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
+          f"lr={args.lr} eps={args.eps}")
+    report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
+                    batch=args.batch)
+    print(report.table())
+    print(report.verdict())
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
