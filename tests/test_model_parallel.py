@@ -210,7 +210,8 @@ def test_planted_bug_is_caught(run_ranks, name, bug, caught):
 def _errors_worker(tp):
     grid = build_grid(ParallelConfig(tp=tp))
     msgs = []
-    for cfg in (ModelConfig(**{**BASE, "n_heads": 2, "n_kv_heads": 1}),
+    for cfg in (ModelConfig(**{**BASE, "n_kv_heads": 2}),
+                ModelConfig(**{**BASE, "ffn_hidden": 6, "activation": "swiglu"}),  # 2*6 splits, 6 not
                 ModelConfig(**{**BASE, "use_kernels": True})):
         try:
             ParallelGPT(cfg, grid)
@@ -220,7 +221,8 @@ def _errors_worker(tp):
 
 
 def test_bad_configs_fail_early(run_ranks):
-    msgs = run_ranks(_errors_worker, 2, world_size=2)[0]
-    assert len(msgs) == 2
-    assert "n_kv_heads=1 is not divisible by tp=2" in msgs[0]
-    assert "use_kernels" in msgs[1]
+    msgs = run_ranks(_errors_worker, 4, world_size=4)[0]
+    assert len(msgs) == 3
+    assert "n_kv_heads=2 is not divisible by tp=4" in msgs[0]
+    assert "ffn_hidden=6 is not divisible by tp=4" in msgs[1]
+    assert "use_kernels" in msgs[2]
