@@ -26,7 +26,8 @@ from .mappings import (copy_to_tensor_model_parallel_region,
                        gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region)
+                       reduce_scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_model_parallel_region)
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -79,8 +80,8 @@ class RowParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:   # a full input: keep our slice of its features
-            x = x.chunk(self.group.size, dim=-1)[self.group.rank]
+        if not self.input_is_parallel:   # a full input: keep our slice of its features, and
+            x = scatter_to_tensor_model_parallel_region(x, self.group)  # gather dL/dx in backward
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:       # sum the partials and keep our part of the sequence
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group)

@@ -47,7 +47,9 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous(), ctx.group), None
+        # clone: the incoming gradient may be the caller's tensor (y.backward(g)) or shared
+        # with another branch of the graph; an in-place all-reduce would overwrite it
+        return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _Reduce(torch.autograd.Function):
