@@ -227,15 +227,16 @@ def _configs(pairs):
 
 # GPU block sizes, picked by autotune once per shape; the interpreter uses 16 x 16.
 # Constraints: forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV BLOCK_N % BLOCK_M == 0.
-# Chosen so that most compile for sm_90 at head dims 64 and 128 without register
-# spills (ptxas -v); dK/dV keeps two [BLOCK_N, d] fp32 accumulators, hence its small blocks.
+# Chosen so that most compile for sm_90 (triton 3.6 and 3.9) at head dims 64 and 128
+# without register spills (ptxas -v); dK/dV keeps two [BLOCK_N, d] fp32 accumulators
+# and the dQ kernel K and V blocks, hence their small blocks.
 _KEY = ["sq", "sk", "HEAD_DIM", "CAUSAL"]
 _fwd_tuned = triton.autotune(_configs([(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
                                        (128, 32, 8, 4), (64, 32, 4, 4)]), key=_KEY)(_attn_fwd)
-_dkdv_tuned = triton.autotune(_configs([(16, 64, 4, 3), (32, 64, 8, 3), (32, 64, 4, 2),
-                                        (32, 128, 8, 2), (64, 64, 8, 3)]), key=_KEY)(_attn_bwd_dkdv)
-_dq_tuned = triton.autotune(_configs([(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
-                                      (128, 64, 8, 2)]), key=_KEY)(_attn_bwd_dq)
+_dkdv_tuned = triton.autotune(_configs([(16, 64, 8, 3), (16, 32, 8, 3), (32, 32, 4, 3),
+                                        (32, 64, 8, 3), (32, 128, 8, 2)]), key=_KEY)(_attn_bwd_dkdv)
+_dq_tuned = triton.autotune(_configs([(64, 32, 8, 3), (128, 32, 8, 2), (32, 32, 4, 3),
+                                      (64, 64, 8, 3)]), key=_KEY)(_attn_bwd_dq)
 
 def _launch(plain, tuned, grid, *args, **kwargs):
     if interpreting():  # autotuning would run every config, slowly: one small config
