@@ -47,8 +47,6 @@ def _triton_importable():
         import triton  # noqa: F401
     except Exception:
         return False
-    if interpreting():
-        _fix_interpreter_bf16()
     return True
 
 
@@ -116,7 +114,11 @@ def _wide(t):
 
 
 def _triton_path(t):
-    return _ENABLED and (t.is_cuda or interpreting()) and _triton_importable()
+    if not (_ENABLED and (t.is_cuda or interpreting()) and _triton_importable()):
+        return False
+    if interpreting():
+        _fix_interpreter_bf16()  # once; a no-op after
+    return True
 
 
 # --------------------------------------------------------------------------- norms
