@@ -239,6 +239,9 @@ def all_to_all(t: torch.Tensor, group: Group, output_split_sizes: list[int] | No
             raise ValueError(f"all_to_all: dim 0 ({x.shape[0]}) is not divisible by {n}; "
                              "pass input_split_sizes")
         input_split_sizes = [x.shape[0] // n] * n
+    elif output_split_sizes is None:
+        raise ValueError("all_to_all: pass output_split_sizes with input_split_sizes (each rank "
+                         "must know what it receives: exchange the counts first)")
     if output_split_sizes is None:
         output_split_sizes = [x.shape[0] // n] * n
     row = _nbytes(x[:1]) if x.shape[0] else 0

@@ -123,6 +123,10 @@ def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None) -> No
     if kv % cfg.tp:
         raise ValueError(f"n_kv_heads={kv} is not divisible by tp={cfg.tp}: use tp dividing {kv} "
                          "(or more key/value heads)")
+    ffn = getattr(model, "ffn", None)
+    if ffn is not None and ffn % cfg.tp:
+        raise ValueError(f"ffn_hidden={ffn} is not divisible by tp={cfg.tp}: each rank must own "
+                         "whole MLP columns; choose a multiple of tp")
     layers = model.n_layers
     if layers % (cfg.pp * cfg.virtual_pp):
         raise ValueError(f"n_layers={layers} is not divisible by pp*virtual_pp={cfg.pp}*"
