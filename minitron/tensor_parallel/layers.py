@@ -37,12 +37,20 @@ def _divide(n: int, parts: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_i = x A_i^T (+ b_i): each rank computes a slice of the output features."""
+    """y_i = x A_i^T (+ b_i): each rank computes a slice of the output features.
+
+    skip_bias_add=True (Megatron's name) returns (x A_i^T, b_i) instead, leaving the bias to
+    the caller so a fused kernel can add it together with what follows (e.g. bias + GeLU).
+    """
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False):
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False):
         super().__init__()
+        if skip_bias_add and gather_output:
+            raise ValueError("skip_bias_add returns this rank's bias shard: use gather_output=False")
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.skip_bias_add = skip_bias_add
         self.in_features, self.out_features = in_features, out_features
         local_out = _divide(out_features, group.size, "out_features")
         self.weight = nn.Parameter(torch.empty(local_out, in_features))
@@ -54,6 +62,8 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.group)
         else:                        # f: identity now, all-reduce of dL/dx in backward
             x = copy_to_tensor_model_parallel_region(x, self.group)
+        if self.skip_bias_add:
+            return F.linear(x, self.weight), self.bias
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
