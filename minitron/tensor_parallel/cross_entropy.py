@@ -34,6 +34,7 @@ import torch
 
 from .. import comm
 from ..comm import Group
+from ..kernels import ops   # imports no triton until a kernel first runs
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -89,3 +90,22 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
         raise ValueError(f"logits shard {tuple(logits_shard.shape)} must be targets' shape "
                          f"{tuple(targets.shape)} plus a vocabulary dimension")
     return _VocabParallelCrossEntropy.apply(logits_shard, targets, group)
+
+
+def fused_vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor,
+                                       group: Group) -> torch.Tensor:
+    """The same per-token losses through minitron.kernels (Triton; see kernels/cross_entropy.py).
+
+    One kernel reads each row of the shard once for its max, sum of exp and target logit, and
+    backward writes the gradient in one pass. It takes TWO all-reduces where the function above
+    takes three: the max of N floats, then the sum of exp and the target logit stacked into one
+    all-reduce of 2N floats. The same 3N floats cross the wire, in one call fewer.
+    """
+    if logits_shard.shape[:-1] != targets.shape:
+        raise ValueError(f"logits shard {tuple(logits_shard.shape)} must be targets' shape "
+                         f"{tuple(targets.shape)} plus a vocabulary dimension")
+    v_local = logits_shard.shape[-1]
+    losses = ops.vocab_parallel_cross_entropy(
+        logits_shard.reshape(-1, v_local), targets.reshape(-1), group.rank * v_local,
+        lambda t: comm.all_reduce(t, group, op="max"), lambda t: comm.all_reduce(t, group, op="sum"))
+    return losses.view(targets.shape)
