@@ -17,11 +17,19 @@ bias's gradient is zero in exact arithmetic, so it is all noise) would be moved 
 a direction the rounding picked, on each side differently. eps sets the size below which a
 gradient counts as noise; 1e-6 with lr 1e-4 keeps that amplification below the tolerance.
 `--eps 1e-8 --lr 1e-3` shows the effect: only the updated weights (and the next steps) drift.
+
+`--kernels` builds the split model with ModelConfig(use_kernels=True), so its norms, attention,
+MLP activations and loss run minitron.kernels' fused Triton kernels, and steps it with
+FusedAdamW; the reference keeps plain torch ops and torch.optim.AdamW, and the tolerances stay
+the same. Where the ranks run on the CPU (no GPU for each of them) it sets TRITON_INTERPRET=1
+before anything imports triton, so the kernels run in Triton's interpreter (slowly), and says
+so in the header.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 
@@ -30,11 +38,12 @@ import torch.nn.functional as F
 
 from . import comm
 from .grid import ParallelConfig, build_grid, validate_model
-from .launch import launch
+from .launch import _pick_backend, launch
 from .model.config import CHOICES, ModelConfig
 from .model.convert import gather_state_dict, grads_state_dict
-from .model.parallel import ParallelGPT
+from .model.parallel import ParallelGPT, check_kernels
 from .model.reference import GPT
+from .optim import FusedAdamW
 from .tensor_parallel.random import DropoutRNG
 from .testing import rel_err
 
@@ -103,6 +112,23 @@ def check_built(pcfg: ParallelConfig) -> None:
                                       f"set {field}=1")
 
 
+def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
+    """Make minitron.kernels runnable on the ranks launch() will start; say how they run.
+
+    Ranks on GPUs run the compiled kernels. Ranks on the CPU need Triton's interpreter, which
+    triton.jit picks when triton is first imported: so TRITON_INTERPRET=1 goes into this
+    process's environment here, before anything imports triton, and the forked ranks inherit
+    it. Raises ValueError (before any rank starts) where the kernels still cannot run.
+    """
+    if _pick_backend(world_size) == "nccl":
+        check_kernels(mcfg, torch.device("cuda"))
+        return "kernels=compiled Triton on the GPUs"
+    os.environ["TRITON_INTERPRET"] = "1"
+    check_kernels(mcfg, torch.device("cpu"))   # e.g. triton already imported without it
+    return ("kernels=Triton interpreter on the CPU (TRITON_INTERPRET=1 set by minitron.verify: "
+            "no GPU per rank)")
+
+
 def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
     """The tokens and next-token targets of one step, the same on every rank."""
     gen = torch.Generator().manual_seed(seed * 100_003 + step)
@@ -169,7 +195,9 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     ref = GPT(mcfg, seed).to(dtype)
     model = ParallelGPT.from_reference(ref, grid)
     ref.to(grid.device).rng = DropoutRNG(seed, grid.device)   # the same generator as the ranks'
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    # The kernels' run steps with the fused AdamW kernel too; the reference never does.
+    adamw = FusedAdamW if mcfg.use_kernels else torch.optim.AdamW
+    opt = adamw(model.parameters(), lr=lr, eps=eps)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps)
     rows: list[Row] = []
     for step in range(steps):
@@ -200,18 +228,43 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
 def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
            batch: int = 2, seq: int | None = None, timeout: float = 120) -> Report:
-    """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report."""
+    """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
+
+    With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
+    (see enable_kernels).
+    """
     check_built(parallel_config)
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
+    if model_config.use_kernels:
+        check_kernels_dtype(dtype)
+        enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
                   world_size=parallel_config.world_size, timeout=timeout)[0]
     return Report(rows)
 
 
+def check_kernels_dtype(dtype: torch.dtype) -> None:
+    if dtype != torch.float32:
+        raise ValueError(f"--kernels: the kernels compute in float32 (and 16-bit on a GPU), "
+                         f"so comparing them in {dtype} checks nothing more: use --dtype float32")
+
+
+EXAMPLES = """examples:
+  python -m minitron.verify --tp 2 --sp
+  python -m minitron.verify --tp 2 --sp --norm rmsnorm --activation swiglu --position rope --kv-heads 2
+  python -m minitron.verify --tp 2 --sp --kernels      fused Triton kernels and FusedAdamW
+
+exit status: 0 PASS, 1 FAIL, 2 bad options"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the examples kept line by line."""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minitron.verify", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog=EXAMPLES, formatter_class=_HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks launched)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
@@ -225,6 +278,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
     r.add_argument("--batch", type=int, default=2)
+    r.add_argument("--kernels", action="store_true",
+                   help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
+                        "activations, loss) and FusedAdamW; on CPU ranks through the Triton "
+                        "interpreter (TRITON_INTERPRET=1, set here; a few seconds at the default shape)")
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--hidden", type=int, default=64)
@@ -250,14 +307,19 @@ def main(argv: list[str] | None = None) -> int:
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
                            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                            norm=args.norm, activation=args.activation, position=args.position,
-                           dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias)
+                           dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias,
+                           use_kernels=args.kernels)
         validate_model(pcfg, mcfg)
+        dtype = getattr(torch, args.dtype)
+        kernels = "kernels=off (plain torch ops)"
+        if args.kernels:
+            check_kernels_dtype(dtype)
+            kernels = enable_kernels(mcfg, pcfg.world_size)   # before anything imports triton
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dtype = getattr(torch, args.dtype)
     print(f"{pcfg}\n{mcfg}\nbatch={args.batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
-          f"lr={args.lr} eps={args.eps}")
+          f"lr={args.lr} eps={args.eps}\n{kernels}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
                     batch=args.batch)
     print(report.table())
