@@ -36,6 +36,7 @@ verify-all: setup
 	$(BIN)/python -m minitron.verify --tp 2 --steps 3
 	$(BIN)/python -m minitron.verify --tp 2 --sp --steps 3
 	$(BIN)/python -m minitron.verify --tp 4 --sp --steps 3 --norm rmsnorm --activation swiglu --position rope
+	$(BIN)/python -m minitron.verify --tp 2 --sp --steps 3 --kernels
 
 bench: setup
 	$(BIN)/python -m minitron.bench overhead

@@ -41,7 +41,8 @@ from .grid import ParallelConfig, build_grid, validate_model
 from .launch import _pick_backend, launch
 from .model.config import CHOICES, ModelConfig
 from .model.convert import gather_state_dict, grads_state_dict
-from .model.parallel import ParallelGPT, check_kernels
+from .model.fused import check_kernels
+from .model.parallel import ParallelGPT
 from .model.reference import GPT
 from .optim import FusedAdamW
 from .tensor_parallel.random import DropoutRNG

@@ -36,7 +36,7 @@ from minitron import comm  # noqa: E402
 from minitron.grid import ParallelConfig, build_grid  # noqa: E402
 from minitron.kernels import ops  # noqa: E402
 from minitron.model import GPT, ModelConfig, ParallelGPT  # noqa: E402
-from minitron.model.parallel import kernels_problem  # noqa: E402
+from minitron.model.fused import kernels_problem  # noqa: E402
 from minitron.optim import FusedAdamW  # noqa: E402
 from minitron.tensor_parallel.cross_entropy import (  # noqa: E402
     fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy)
