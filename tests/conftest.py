@@ -2,8 +2,27 @@
 import os
 
 import pytest
+import torch
 
 import minitron
+
+
+def _import_triton_for_this_machine():
+    """triton.jit picks interpreter or compiler when triton is first imported, for good.
+    Without a GPU the kernels can only run interpreted, so make that first import happen
+    here, under TRITON_INTERPRET=1, whichever test file is collected first."""
+    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+_import_triton_for_this_machine()
 
 _pools: dict[int, minitron.WorkerPool] = {}
 

@@ -8,6 +8,7 @@ to a cubin for one representative configuration of each kernel.
 """
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -29,6 +30,7 @@ def compiled_kernels():
         pytest.skip("this triton has no CUDA backend")
     import minitron.kernels as pkg
     saved = os.environ.pop("TRITON_INTERPRET", None)
+    already = set(sys.modules)
     try:
         modules = {}
         for name in NAMES:
@@ -42,6 +44,14 @@ def compiled_kernels():
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
+        # A kernel file's own imports (layernorm's `from .rmsnorm import ...`) registered
+        # compiled modules under the package: drop them, so tests that run later import
+        # their own (interpreted) copies instead of these.
+        for name in set(sys.modules) - already:
+            if name.startswith("minitron.kernels."):
+                del sys.modules[name]
+                if hasattr(pkg, name.rsplit(".", 1)[1]):
+                    delattr(pkg, name.rsplit(".", 1)[1])
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4, num_stages=3):
         if not hasattr(fn, "arg_names"):
