@@ -55,6 +55,7 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
     if _under_torchrun():
         return _launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout)
     backend = backend or _pick_backend(world_size)
+    _check_can_fork(backend)
     ranks = [_Rank(r, world_size) for r in range(world_size)]
     port = _free_port()
     for r in ranks:
@@ -78,10 +79,6 @@ class _Rank:
         self.parent_conn, self.child_conn = self.ctx.Pipe(duplex=True)
 
     def start(self, target, args):
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            raise RuntimeError("CUDA was initialised in this process before launch(); a forked "
-                               "rank cannot inherit it. Do all CUDA work inside the launched "
-                               "function, or run the script under torchrun.")
         self.process = self.ctx.Process(target=target, args=(*args, self.child_conn, self.status),
                                         daemon=True)
         self.process.start()
@@ -236,9 +233,19 @@ def _exit_reason(code: int | None) -> str:
 # Process groups
 # ----------------------------------------------------------------------------------------
 def _pick_backend(world_size: int) -> str:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+    # device_count() asks NVML; torch.cuda.is_available() would initialise the CUDA driver in
+    # this process, and a rank forked after that cannot use CUDA ("poison fork").
+    if torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
+
+
+def _check_can_fork(backend: str) -> None:
+    """Ranks on GPUs need a parent that has not initialised CUDA (gloo ranks do not care)."""
+    if backend == "nccl" and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised in this process before launch(); a forked "
+                           "rank cannot inherit it. Do all CUDA work inside the launched "
+                           "function, pass backend='gloo', or run the script under torchrun.")
 
 
 def _init(backend: str, rank: int, world_size: int, timeout: float) -> None:
@@ -299,6 +306,7 @@ class WorkerPool:
         self.ranks: list[_Rank] = []
 
     def _start(self):
+        _check_can_fork(self.backend)
         self.ranks = [_Rank(r, self.world_size) for r in range(self.world_size)]
         port = _free_port()
         for r in self.ranks:

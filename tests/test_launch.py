@@ -151,3 +151,15 @@ def test_under_torchrun(tmp_path):
     lines = proc.stdout.splitlines()
     assert sorted(line for line in lines if line.startswith("RESULT")) == ["RESULT [100, 101]"] * 2
     assert [line for line in lines if line.startswith("MISMATCH")] == ["MISMATCH True"] * 2
+
+
+def test_parent_never_poisons_fork_and_only_nccl_needs_a_cuda_free_parent(monkeypatch):
+    # torch.cuda.is_available() initialises the CUDA driver, after which a forked rank cannot
+    # use CUDA: the launcher must not call it before forking.
+    def poison():
+        raise AssertionError("launch() called torch.cuda.is_available() before forking")
+    monkeypatch.setattr(torch.cuda, "is_available", poison)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # CUDA already used here
+    assert minitron.launch(_rank_times_ten, 0, world_size=2, timeout=30) == [0, 10]  # gloo ranks
+    with pytest.raises(RuntimeError, match="CUDA was initialised in this process"):
+        minitron.launch(_rank_times_ten, 0, world_size=2, backend="nccl")
