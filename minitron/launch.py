@@ -58,9 +58,9 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
     _check_can_fork(backend)
     ranks = [_Rank(r, world_size) for r in range(world_size)]
     port = _free_port()
-    for r in ranks:
-        r.start(_child_main, (r.rank, world_size, port, backend, timeout, fn, args, kwargs))
-    try:
+    try:  # a failed start, or Ctrl-C in a notebook, must not leave the started ranks behind
+        for r in ranks:
+            r.start(_child_main, (r.rank, world_size, port, backend, timeout, fn, args, kwargs))
         return _collect(ranks, echo, timeout)
     finally:
         for r in ranks:
@@ -79,8 +79,8 @@ class _Rank:
         self.parent_conn, self.child_conn = self.ctx.Pipe(duplex=True)
 
     def start(self, target, args):
-        self.process = self.ctx.Process(target=target, args=(*args, self.child_conn, self.status),
-                                        daemon=True)
+        self.process = self.ctx.Process(
+            target=target, args=(*args, self.child_conn, self.status, os.getpid()), daemon=True)
         self.process.start()
         self.child_conn.close()
 
@@ -94,7 +94,8 @@ class _Rank:
             p.join(5)
 
 
-def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn, status):
+def _enter_rank(rank: int, world_size: int, port: int, status, parent_pid: int):
+    """What every forked rank does first; returns the function that publishes what it is doing."""
     # A forked child whose parent already used torch's thread pool deadlocks at its first
     # matmul unless it resets the pool first; one thread per rank also suits small CPUs.
     torch.set_num_threads(1)
@@ -102,12 +103,28 @@ def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn
     _in_worker = True
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    # Die with the parent, even when it is SIGKILLed (a crashed notebook kernel, a killed
+    # pytest): each rank inherited a copy of its own pipe's parent end, so it would never see
+    # that pipe close and would wait on it forever. Linux only (prctl PR_SET_PDEATHSIG = 1).
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
     def publish(what: str):
         status.value = what.encode()[:_STATUS_LEN - 1]
 
     comm.set_status_hook(publish)
     publish("init_process_group")
+    return publish
+
+
+def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn, status,
+                parent_pid):
+    publish = _enter_rank(rank, world_size, port, status, parent_pid)
     out, err = io.StringIO(), io.StringIO()
     sys.stdout, sys.stderr = out, err
     native = _capture_native_output()  # C++ logs (gloo, NCCL) bypass sys.stdout/stderr
@@ -309,8 +326,12 @@ class WorkerPool:
         _check_can_fork(self.backend)
         self.ranks = [_Rank(r, self.world_size) for r in range(self.world_size)]
         port = _free_port()
-        for r in self.ranks:
-            r.start(_pool_main, (r.rank, self.world_size, port, self.backend, self.timeout))
+        try:
+            for r in self.ranks:
+                r.start(_pool_main, (r.rank, self.world_size, port, self.backend, self.timeout))
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
         if not self.ranks:
@@ -321,10 +342,14 @@ class WorkerPool:
         try:
             replies = []
             for r in self.ranks:
-                if not r.parent_conn.poll(self.timeout + 30):
+                # Wait for the reply or the death: the other ranks hold copies of this rank's
+                # pipe, so its death alone would not close the pipe.
+                if not mp.connection.wait([r.parent_conn, r.process.sentinel], self.timeout + 30):
                     raise RankError(f"rank {r.rank} gave no answer within {self.timeout + 30:.0f} s; "
                                     f"it was in: {r.doing()}")
                 try:
+                    if not r.parent_conn.poll():
+                        raise EOFError
                     reply = pickle.loads(r.parent_conn.recv_bytes())
                 except EOFError:
                     r.process.join(5)
@@ -344,19 +369,16 @@ class WorkerPool:
         self.ranks = []
 
 
-def _pool_main(rank, world_size, port, backend, timeout, conn, status):
-    torch.set_num_threads(1)  # see _child_main
-    global _in_worker
-    _in_worker = True
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    comm.set_status_hook(lambda what: setattr(status, "value", what.encode()[:_STATUS_LEN - 1]))
+def _pool_main(rank, world_size, port, backend, timeout, conn, status, parent_pid):
+    publish = _enter_rank(rank, world_size, port, status, parent_pid)
     _init(backend, rank, world_size, timeout)
     while True:
+        publish("waiting for a job")
         try:
             job = conn.recv_bytes()
         except EOFError:
             os._exit(0)
+        publish("running")
         try:
             fn, args, kwargs = pickle.loads(job)
             reply = ("ok", fn(*args, **kwargs))

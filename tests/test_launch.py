@@ -163,3 +163,60 @@ def test_parent_never_poisons_fork_and_only_nccl_needs_a_cuda_free_parent(monkey
     assert minitron.launch(_rank_times_ten, 0, world_size=2, timeout=30) == [0, 10]  # gloo ranks
     with pytest.raises(RuntimeError, match="CUDA was initialised in this process"):
         minitron.launch(_rank_times_ten, 0, world_size=2, backend="nccl")
+
+
+def _exit_on_rank_1():
+    if dist.get_rank() == 1:
+        os._exit(5)
+    return "fine"
+
+
+def test_worker_pool_reports_a_dead_rank_at_once():
+    # The other rank holds a copy of the dead rank's pipe: only its process sentinel tells.
+    pool = minitron.WorkerPool(2, timeout=SHORT)
+    try:
+        start = time.monotonic()
+        with pytest.raises(minitron.RankError, match="rank 1 died with exit code 5 while in: running"):
+            pool.run(_exit_on_rank_1)
+        assert time.monotonic() - start < SHORT
+    finally:
+        pool.close()
+
+
+ORPHANS = """
+    import os, time
+    import minitron
+
+    pool = minitron.WorkerPool(2)
+    print(*pool.run(os.getpid), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_die_with_a_killed_parent(tmp_path):
+    script = tmp_path / "orphans.py"
+    script.write_text(textwrap.dedent(ORPHANS))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(ranks) == 2
+    finally:
+        parent.kill()   # SIGKILL: no atexit, no finally in the parent
+        parent.wait()
+    deadline = time.monotonic() + 10
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in alive if _running(pid)]
+    for pid in alive:   # do not leave them behind if the test fails
+        os.kill(pid, 9)
+    assert not alive, f"ranks {alive} outlived their killed parent"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
