@@ -28,6 +28,12 @@ class ModelConfig:
     use_kernels: bool = False     # fused Triton kernels where minitron.kernels provides them
 
     def __post_init__(self):
+        for field in ("vocab_size", "seq_len", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
+            value = getattr(self, field)
+            optional = field in ("n_kv_heads", "ffn_hidden")   # None: the default described above
+            if not (optional and value is None) and (type(value) is not int or value < 1):
+                raise ValueError(f"ModelConfig.{field} must be a positive integer"
+                                 f"{' or None' if optional else ''}, got {value!r}")
         for field, allowed in CHOICES.items():
             if getattr(self, field) not in allowed:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: choose one of {allowed}")
