@@ -259,6 +259,13 @@ EXAMPLES = """examples:
 exit status: 0 PASS, 1 FAIL, 2 bad options"""
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, and the examples kept line by line."""
 
@@ -273,12 +280,12 @@ def _parser() -> argparse.ArgumentParser:
                        ("--virtual", "virtual_pp")):
         g.add_argument(opt, type=int, default=1, dest=field, help=f"{UNBUILT[field][0]} (not built yet)")
     r = p.add_argument_group("run")
-    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--steps", type=_positive, default=3)
     r.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
-    r.add_argument("--batch", type=int, default=2)
+    r.add_argument("--batch", type=_positive, default=2)
     r.add_argument("--kernels", action="store_true",
                    help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
                         "activations, loss) and FusedAdamW; on CPU ranks through the Triton "

@@ -50,3 +50,11 @@ def test_report_verdicts():
     assert ok.passed and ok.verdict() == "PASS max_rel_err=2.00e-05"
     bad = verify.Report([verify.Row(0, "loss", 1e-7, 1e-5), verify.Row(1, "dL/dX", float("nan"), 1e-4)])
     assert not bad.passed and bad.verdict().startswith("FAIL 1 of 2 comparisons; worst: step 1 dL/dX")
+
+
+@pytest.mark.parametrize("option", ["--steps", "--batch"])
+def test_steps_and_batch_must_be_positive(capsys, option):
+    with pytest.raises(SystemExit) as exit_:
+        verify.main([option, "0"])
+    assert exit_.value.code == 2
+    assert f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
