@@ -56,6 +56,9 @@ class Group:
     def rank(self) -> int:
         """This process's index inside the group."""
         me = dist.get_rank() if dist.is_initialized() else 0
+        if me not in self.ranks:
+            raise ValueError(f"rank {me} is not in group {self.name!r} {list(self.ranks)}: "
+                             "only its members may ask for their place in it")
         return self.ranks.index(me)
 
     def global_rank(self, group_rank: int) -> int:
@@ -163,6 +166,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _in_place(t: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """Run an in-place operation on a contiguous buffer (nccl refuses strided tensors, gloo
+    refuses them for recv), then write the result back into `t`."""
+    buf = t if t.is_contiguous() else t.contiguous()
+    fn(buf)
+    if buf is not t:
+        t.copy_(buf)
+    return t
+
+
 # ----------------------------------------------------------------------------------------
 # Collectives
 # ----------------------------------------------------------------------------------------
@@ -187,7 +200,8 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     if n == 1:
         return t
     _count(group, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
-    _call("all_reduce", group, lambda: dist.all_reduce(t, op=reduce_op, group=group.pg))
+    _call("all_reduce", group,
+          lambda: _in_place(t, lambda b: dist.all_reduce(b, op=reduce_op, group=group.pg)))
     if op == "avg":
         t.div_(n)
     return t
@@ -244,6 +258,13 @@ def all_to_all(t: torch.Tensor, group: Group, output_split_sizes: list[int] | No
                          "must know what it receives: exchange the counts first)")
     if output_split_sizes is None:
         output_split_sizes = [x.shape[0] // n] * n
+    for name, splits in (("input", input_split_sizes), ("output", output_split_sizes)):
+        if len(splits) != n or min(splits) < 0:
+            raise ValueError(f"all_to_all: {name}_split_sizes {list(splits)} must hold {n} counts "
+                             f">= 0, one per rank of group '{group.name}'")
+    if sum(input_split_sizes) != x.shape[0]:
+        raise ValueError(f"all_to_all: input_split_sizes {list(input_split_sizes)} sum to "
+                         f"{sum(input_split_sizes)}, but dim 0 of the input is {x.shape[0]}")
     row = _nbytes(x[:1]) if x.shape[0] else 0
     out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
     leaving = (x.shape[0] - input_split_sizes[group.rank]) * row
@@ -259,7 +280,7 @@ def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
         return t
     _count(group, "broadcast", _nbytes(t), _nbytes(t))
     _call("broadcast", group,
-          lambda: dist.broadcast(t, src=group.global_rank(src), group=group.pg))
+          lambda: _in_place(t, lambda b: dist.broadcast(b, src=group.global_rank(src), group=group.pg)))
     return t
 
 
@@ -282,7 +303,7 @@ def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     """Fill `t` in place with group-rank `src`'s message."""
     _count(group, "recv", _nbytes(t), 0)
     _call(f"recv from group rank {src}", group,
-          lambda: dist.recv(t, src=group.global_rank(src), group=group.pg))
+          lambda: _in_place(t, lambda b: dist.recv(b, src=group.global_rank(src), group=group.pg)))
     return t
 
 
@@ -298,16 +319,21 @@ def exchange(ops: list[P2P], group: Group) -> None:
     """Post all sends and receives at once and wait for all (no ordering deadlocks)."""
     if not ops:
         return
-    torch_ops = []
+    torch_ops, strided = [], []   # strided: (caller's tensor, the contiguous buffer received into)
     for op in ops:
         if op.kind not in ("send", "recv"):
             raise ValueError(f"P2P kind must be 'send' or 'recv', not {op.kind!r}")
         _count(group, op.kind, _nbytes(op.tensor), _nbytes(op.tensor) if op.kind == "send" else 0)
         fn = dist.isend if op.kind == "send" else dist.irecv
-        torch_ops.append(dist.P2POp(fn, op.tensor, group.global_rank(op.peer), group=group.pg))
+        buf = op.tensor.contiguous()
+        if op.kind == "recv" and buf is not op.tensor:
+            strided.append((op.tensor, buf))
+        torch_ops.append(dist.P2POp(fn, buf, group.global_rank(op.peer), group=group.pg))
     peers = sorted({op.peer for op in ops})
 
     def run():
         for work in dist.batch_isend_irecv(torch_ops):
             work.wait()
+        for t, buf in strided:
+            t.copy_(buf)
     _call(f"exchange with group ranks {peers}", group, run)

@@ -246,3 +246,56 @@ def _bad_op():
     except ValueError as e:
         return "use one of sum, max, min, avg" in str(e)
     return False
+
+
+def _strided_in_place():
+    """In-place operations on a transposed view: the result lands in the caller's tensor."""
+    g, r, n = _world(), dist.get_rank(), dist.get_world_size()
+    out = {}
+    base = torch.arange(6.0).view(2, 3)
+    t = (base + r).t()                                  # [3, 2], not contiguous
+    out["all_reduce"] = comm.all_reduce(t, g).clone()
+    t = (base + r).t()
+    comm.broadcast(t, g, src=n - 1)
+    out["broadcast"] = t.clone()
+    got = torch.zeros(2, 3).t()
+    comm.exchange([P2P("send", (base + r).t(), (r + 1) % n), P2P("recv", got, (r - 1) % n)], g)
+    out["exchange"] = got.clone()
+    got = torch.zeros(2, 3).t()
+    if r == 0:
+        comm.send((base + 100).t(), g, dst=1)
+    elif r == 1:
+        comm.recv(got, g, src=0)
+    out["recv"] = got.clone()
+    return out
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_in_place_operations_accept_strided_tensors(run_ranks, n):
+    base = torch.arange(6.0).view(2, 3).t()
+    for r, out in enumerate(run_ranks(_strided_in_place, world_size=n)):
+        assert torch.equal(out["all_reduce"], n * base + n * (n - 1) / 2)
+        assert torch.equal(out["broadcast"], base + n - 1)
+        assert torch.equal(out["exchange"], base + (r - 1) % n)
+        if r == 1:
+            assert torch.equal(out["recv"], base + 100)
+
+
+def _bad_groups_and_splits():
+    g, msgs = _world(), []
+    for fn in (lambda: Group("elsewhere", [98, 99]).rank,
+               lambda: comm.all_to_all(torch.ones(4, 2), g, [2, 2], [1, 1, 2]),
+               lambda: comm.all_to_all(torch.ones(4, 2), g, [2, 2], [1, 1])):
+        try:
+            fn()
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_bad_group_and_split_sizes_say_what_is_wrong(run_ranks):
+    for r, (outside, count, total) in enumerate(run_ranks(_bad_groups_and_splits, world_size=2)):
+        assert f"rank {r} is not in group 'elsewhere' [98, 99]" in outside
+        assert "input_split_sizes [1, 1, 2] must hold 2 counts" in count
+        assert "input_split_sizes [1, 1] sum to 2, but dim 0 of the input is 4" in total
