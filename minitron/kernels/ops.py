@@ -88,8 +88,11 @@ def _fix_interpreter_bf16():
 
 
 def available():
-    """True when the Triton kernels can run here (a GPU, or the interpreter)."""
-    return _triton_importable() and (torch.cuda.is_available() or interpreting())
+    """True when the Triton kernels can run here (a GPU, or the interpreter).
+
+    device_count() asks NVML: torch.cuda.is_available() would initialise CUDA here, and
+    minitron.launch's ranks, forked from this process, could then not use their GPUs."""
+    return _triton_importable() and (torch.cuda.device_count() > 0 or interpreting())
 
 
 class use_triton:
