@@ -1,11 +1,13 @@
 """Linear layers and an embedding whose weights are split across a tensor-parallel group.
 
-Y = f(X A) B, with A split by columns and B by rows (Megatron-LM, 2019):
+O = GeLU(X A) B, with A split by columns and B by rows (Megatron-LM, 2019):
 
     rank i holds A_i = A[:, cols_i] and B_i = B[rows_i, :]
     Z_i = X A_i          ColumnParallelLinear: no communication, output is a column shard
-    Y_i = f(Z_i)         elementwise, so it can be applied to the shard
+    Y_i = GeLU(Z_i)      elementwise, so it can be applied to the shard
     O   = sum_i Y_i B_i  RowParallelLinear: partial products, summed by one all-reduce
+
+(f and g, in the comments below, are only Megatron's two communication operators: mappings.py.)
 
 Weights follow torch's nn.Linear layout [out_features, in_features], so "split A by
 columns" is "split weight by rows" here: a column-parallel weight is [out/tp, in], a
