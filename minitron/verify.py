@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .grid import ParallelConfig, build_grid, validate_model
-from .launch import _pick_backend, launch
+from .launch import DEFAULT_TIMEOUT, _pick_backend, launch
 from .model.config import CHOICES, ModelConfig
 from .model.convert import gather_state_dict, grads_state_dict
 from .model.fused import check_kernels
@@ -228,7 +228,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
 
 def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
-           batch: int = 2, seq: int | None = None, timeout: float = 120) -> Report:
+           batch: int = 2, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
