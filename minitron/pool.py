@@ -1,0 +1,96 @@
+"""A pool of ranks that stays up: tests run hundreds of small jobs without paying for process
+start-up and process-group set-up each time. The ranks are forked and guarded as launch's are."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import traceback
+from typing import Any, Callable
+
+from .launch import (DEFAULT_TIMEOUT, RankError, _check_can_fork, _enter_rank, _exit_reason,
+                     _free_port, _init, _pick_backend, _Rank)
+
+
+class WorkerPool:
+    """`pool.run(fn, *args)` runs fn on every rank of a long-lived world, returns the results.
+
+    fn and args are pickled, so fn must be importable (a module-level function). If any rank
+    fails, the whole pool is torn down (its collectives may be out of step) and the error is
+    raised; the next `run` starts a fresh world.
+    """
+
+    def __init__(self, world_size: int, backend: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT):
+        self.world_size, self.timeout = world_size, timeout
+        self.backend = backend or _pick_backend(world_size)
+        self.ranks: list[_Rank] = []
+
+    def _start(self):
+        _check_can_fork(self.backend)
+        self.ranks = [_Rank(r, self.world_size) for r in range(self.world_size)]
+        port = _free_port()
+        try:
+            for r in self.ranks:
+                r.start(_pool_main, (r.rank, self.world_size, port, self.backend, self.timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
+        if not self.ranks:
+            self._start()
+        job = pickle.dumps((fn, args, kwargs))
+        for r in self.ranks:
+            r.parent_conn.send_bytes(job)
+        try:
+            replies = []
+            for r in self.ranks:
+                # Wait for the reply or the death: the other ranks hold copies of this rank's
+                # pipe, so its death alone would not close the pipe.
+                if not mp.connection.wait([r.parent_conn, r.process.sentinel], self.timeout + 30):
+                    raise RankError(f"rank {r.rank} gave no answer within {self.timeout + 30:.0f} s; "
+                                    f"it was in: {r.doing()}")
+                try:
+                    if not r.parent_conn.poll():
+                        raise EOFError
+                    reply = pickle.loads(r.parent_conn.recv_bytes())
+                except EOFError:
+                    r.process.join(5)
+                    raise RankError(f"rank {r.rank} died with {_exit_reason(r.process.exitcode)} "
+                                    f"while in: {r.doing()}") from None
+                if reply[0] == "error":
+                    raise RankError(f"rank {r.rank} raised:\n{reply[1]}")
+                replies.append(reply[1])
+            return replies
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        for r in self.ranks:
+            r.kill()
+        self.ranks = []
+
+
+def _pool_main(rank, world_size, port, backend, timeout, conn, status, parent_pid):
+    publish = _enter_rank(rank, world_size, port, status, parent_pid)
+    _init(backend, rank, world_size, timeout)
+    while True:
+        publish("waiting for a job")
+        try:
+            job = conn.recv_bytes()
+        except EOFError:
+            os._exit(0)
+        publish("running")
+        try:
+            fn, args, kwargs = pickle.loads(job)
+            reply = ("ok", fn(*args, **kwargs))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        try:
+            data = pickle.dumps(reply)
+        except Exception as e:
+            data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {e}"))
+        conn.send_bytes(data)
