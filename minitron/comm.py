@@ -8,7 +8,8 @@ Each wrapper does three things around the torch.distributed call:
 
 Conventions. Ranks given to `send`/`recv`/`broadcast` are ranks *inside the group*
 (0..group.size-1), like coordinates on the grid. A group of size 1 never communicates:
-every operation returns at once and counts nothing.
+every collective returns at once and counts nothing, `exchange` copies a rank's messages to
+itself locally, and `send`/`recv` refuse a peer that is this rank.
 
 Payload S (bytes) and the per-rank wire bytes of the ring algorithms on n ranks:
   all_reduce      S = the tensor            wire = 2 (n-1)/n * S   (reduce-scatter + all-gather)
@@ -20,16 +21,14 @@ Payload S (bytes) and the per-rank wire bytes of the ring algorithms on n ranks:
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections import defaultdict
-from typing import Callable, Iterator, Sequence
+import datetime
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-
-import datetime
+from .counting import TOTAL, CommCounter, Record, _active, counting  # noqa: F401 (comm.counting())
 
 # Every process group gets this timeout (the launcher sets it): a collective that a peer
 # never joins raises after it instead of hanging. torch's own default for new groups is 30 min.
@@ -72,66 +71,6 @@ def single_group(name: str = "self") -> Group:
     """A group of one process: every operation on it is free."""
     me = dist.get_rank() if dist.is_initialized() else 0
     return Group(name, [me])
-
-
-# ----------------------------------------------------------------------------------------
-# Counting
-# ----------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Record:
-    calls: int = 0
-    bytes: int = 0          # payload, see the module docstring
-    wire_bytes: float = 0.0  # bytes this rank sends under a ring algorithm
-
-
-class CommCounter:
-    """Calls and bytes per (group name, operation) on this rank."""
-
-    def __init__(self):
-        self.records: dict[tuple[str, str], Record] = defaultdict(Record)
-
-    def add(self, group: str, op: str, payload: int, wire: float) -> None:
-        rec = self.records[(group, op)]
-        rec.calls += 1
-        rec.bytes += int(payload)
-        rec.wire_bytes += float(wire)
-
-    def _select(self, op=None, group=None):
-        return [r for (g, o), r in self.records.items()
-                if (op is None or o == op) and (group is None or g == group)]
-
-    def calls(self, op: str | None = None, group: str | None = None) -> int:
-        return sum(r.calls for r in self._select(op, group))
-
-    def bytes(self, op: str | None = None, group: str | None = None) -> int:
-        return sum(r.bytes for r in self._select(op, group))
-
-    def wire_bytes(self, op: str | None = None, group: str | None = None) -> float:
-        return sum(r.wire_bytes for r in self._select(op, group))
-
-    def as_dict(self) -> dict:
-        return {f"{g}/{o}": dataclasses.asdict(r) for (g, o), r in sorted(self.records.items())}
-
-    def table(self) -> str:
-        lines = [f"{'group':<10}{'operation':<16}{'calls':>7}{'payload bytes':>16}{'wire bytes':>14}"]
-        for (g, o), r in sorted(self.records.items()):
-            lines.append(f"{g:<10}{o:<16}{r.calls:>7}{r.bytes:>16,}{r.wire_bytes:>14,.0f}")
-        return "\n".join(lines)
-
-
-TOTAL = CommCounter()  # everything this process has sent since it started
-_active: list[CommCounter] = [TOTAL]
-
-
-@contextlib.contextmanager
-def counting() -> Iterator[CommCounter]:
-    """`with comm.counting() as c: ...` counts exactly what the block sends."""
-    counter = CommCounter()
-    _active.append(counter)
-    try:
-        yield counter
-    finally:
-        _active.remove(counter)
 
 
 def _count(group: Group, op: str, payload: int, wire: float) -> None:
@@ -293,17 +232,27 @@ def barrier(group: Group) -> None:
 # ----------------------------------------------------------------------------------------
 # Point to point
 # ----------------------------------------------------------------------------------------
+def _peer(group: Group, peer: int, what: str) -> int:
+    """The global rank of group-rank `peer`, another member of `group`."""
+    if not 0 <= peer < group.size or peer == group.rank:
+        raise ValueError(f"{what}: peer {peer} must be another rank of group '{group.name}' "
+                         f"(0..{group.size - 1}, not this rank's {group.rank})")
+    return group.global_rank(peer)
+
+
 def send(t: torch.Tensor, group: Group, dst: int) -> None:
+    peer = _peer(group, dst, "send")
     _count(group, "send", _nbytes(t), _nbytes(t))
     _call(f"send to group rank {dst}", group,
-          lambda: dist.send(t.contiguous(), dst=group.global_rank(dst), group=group.pg))
+          lambda: dist.send(t.contiguous(), dst=peer, group=group.pg))
 
 
 def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
     """Fill `t` in place with group-rank `src`'s message."""
+    peer = _peer(group, src, "recv")
     _count(group, "recv", _nbytes(t), 0)
     _call(f"recv from group rank {src}", group,
-          lambda: _in_place(t, lambda b: dist.recv(b, src=group.global_rank(src), group=group.pg)))
+          lambda: _in_place(t, lambda b: dist.recv(b, src=peer, group=group.pg)))
     return t
 
 
@@ -316,19 +265,32 @@ class P2P:
 
 
 def exchange(ops: list[P2P], group: Group) -> None:
-    """Post all sends and receives at once and wait for all (no ordering deadlocks)."""
+    """Post all sends and receives at once and wait for all (no ordering deadlocks).
+
+    Messages to this rank itself (a ring of one rank) never leave it: the k-th such send is
+    copied into the k-th such receive, and nothing is counted."""
+    for op in ops:
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"P2P kind must be 'send' or 'recv', not {op.kind!r}")
+    me = group.rank
+    to_me = [op.tensor for op in ops if op.peer == me and op.kind == "send"]
+    from_me = [op.tensor for op in ops if op.peer == me and op.kind == "recv"]
+    if len(to_me) != len(from_me):
+        raise ValueError(f"exchange: {len(to_me)} sends but {len(from_me)} receives with this "
+                         "rank itself as the peer; they must pair up")
+    for src, dst in zip(to_me, from_me):
+        dst.copy_(src)
+    ops = [op for op in ops if op.peer != me]
     if not ops:
         return
     torch_ops, strided = [], []   # strided: (caller's tensor, the contiguous buffer received into)
     for op in ops:
-        if op.kind not in ("send", "recv"):
-            raise ValueError(f"P2P kind must be 'send' or 'recv', not {op.kind!r}")
         _count(group, op.kind, _nbytes(op.tensor), _nbytes(op.tensor) if op.kind == "send" else 0)
         fn = dist.isend if op.kind == "send" else dist.irecv
         buf = op.tensor.contiguous()
         if op.kind == "recv" and buf is not op.tensor:
             strided.append((op.tensor, buf))
-        torch_ops.append(dist.P2POp(fn, buf, group.global_rank(op.peer), group=group.pg))
+        torch_ops.append(dist.P2POp(fn, buf, _peer(group, op.peer, "exchange"), group=group.pg))
     peers = sorted({op.peer for op in ops})
 
     def run():

@@ -299,3 +299,29 @@ def test_bad_group_and_split_sizes_say_what_is_wrong(run_ranks):
         assert f"rank {r} is not in group 'elsewhere' [98, 99]" in outside
         assert "input_split_sizes [1, 1, 2] must hold 2 counts" in count
         assert "input_split_sizes [1, 1] sum to 2, but dim 0 of the input is 4" in total
+
+
+def _p2p_with_oneself():
+    g, r, n = _world(), dist.get_rank(), dist.get_world_size()
+    one = comm.single_group()
+    mine, got = torch.full((3,), float(r)), torch.zeros(3)
+    with comm.counting() as c:   # a ring of one rank: the message comes straight back
+        comm.exchange([P2P("send", mine, 0), P2P("recv", got, 0)], one)
+    msgs = []
+    for fn in (lambda: comm.send(mine, one, 0), lambda: comm.recv(got, g, r),
+               lambda: comm.send(mine, g, n), lambda: comm.exchange([P2P("send", mine, r)], g)):
+        try:
+            fn()
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    return got, c.as_dict(), msgs
+
+
+def test_point_to_point_with_oneself(run_ranks):
+    for r, (got, counts, msgs) in enumerate(run_ranks(_p2p_with_oneself, world_size=2)):
+        assert torch.equal(got, torch.full((3,), float(r))) and counts == {}
+        assert "send: peer 0 must be another rank of group 'self' (0..0, not this rank's 0)" in msgs[0]
+        assert f"recv: peer {r} must be another rank of group 'world'" in msgs[1]
+        assert "send: peer 2 must be another rank of group 'world' (0..1" in msgs[2]
+        assert "exchange: 1 sends but 0 receives with this rank itself as the peer" in msgs[3]
