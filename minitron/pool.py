@@ -10,7 +10,7 @@ import traceback
 from typing import Any, Callable
 
 from .launch import (DEFAULT_TIMEOUT, RankError, _check_can_fork, _enter_rank, _exit_reason,
-                     _free_port, _init, _pick_backend, _Rank)
+                     _free_port, _init, _pick_backend, _raise_if_a_peer_died, _Rank)
 
 
 class WorkerPool:
@@ -45,28 +45,37 @@ class WorkerPool:
         for r in self.ranks:
             r.parent_conn.send_bytes(job)
         try:
-            replies = []
-            for r in self.ranks:
-                # Wait for the reply or the death: the other ranks hold copies of this rank's
-                # pipe, so its death alone would not close the pipe.
-                if not mp.connection.wait([r.parent_conn, r.process.sentinel], self.timeout + 30):
-                    raise RankError(f"rank {r.rank} gave no answer within {self.timeout + 30:.0f} s; "
-                                    f"it was in: {r.doing()}")
+            return self._collect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self) -> list[Any]:
+        """Every rank's reply, or the first failure: wait on all ranks at once, so a rank that
+        raised is reported, not a peer left waiting for it in a collective. A rank's death
+        shows on its process sentinel (the other ranks hold copies of its pipe)."""
+        pending, replies = set(self.ranks), {}
+        while pending:
+            waits = {obj: r for r in pending for obj in (r.parent_conn, r.process.sentinel)}
+            ready = mp.connection.wait(list(waits), self.timeout + 30)
+            if not ready:
+                stuck = "; ".join(f"rank {r.rank}: {r.doing()}" for r in sorted(pending, key=lambda r: r.rank))
+                raise RankError(f"no answer within {self.timeout + 30:.0f} s from {stuck}")
+            for r in sorted({waits[obj] for obj in ready}, key=lambda r: r.rank):
+                pending.discard(r)
                 try:
                     if not r.parent_conn.poll():
                         raise EOFError
-                    reply = pickle.loads(r.parent_conn.recv_bytes())
+                    status, value = pickle.loads(r.parent_conn.recv_bytes())
                 except EOFError:
                     r.process.join(5)
                     raise RankError(f"rank {r.rank} died with {_exit_reason(r.process.exitcode)} "
                                     f"while in: {r.doing()}") from None
-                if reply[0] == "error":
-                    raise RankError(f"rank {r.rank} raised:\n{reply[1]}")
-                replies.append(reply[1])
-            return replies
-        except BaseException:
-            self.close()
-            raise
+                if status == "error":
+                    _raise_if_a_peer_died(list(pending), {})  # then that death is the root cause
+                    raise RankError(f"rank {r.rank} raised:\n{value}")
+                replies[r.rank] = value
+        return [replies[r.rank] for r in self.ranks]
 
     def close(self):
         for r in self.ranks:

@@ -220,3 +220,20 @@ def _running(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _raise_on_rank_1_while_rank_0_waits():
+    if dist.get_rank() == 1:
+        raise KeyError("planted failure on rank one")
+    comm.all_reduce(torch.ones(4), _world())   # waits for rank 1 until the collective times out
+
+
+def test_worker_pool_reports_the_rank_that_raised_not_the_one_left_waiting():
+    pool = minitron.WorkerPool(2, timeout=SHORT)
+    try:
+        start = time.monotonic()
+        with pytest.raises(minitron.RankError, match="rank 1 raised:(.|\n)*planted failure"):
+            pool.run(_raise_on_rank_1_while_rank_0_waits)
+        assert time.monotonic() - start < SHORT
+    finally:
+        pool.close()
