@@ -177,16 +177,22 @@ def test_reduce_scatter_and_all_to_all_reject_indivisible(run_ranks):
         assert len(msgs) == 2 and all("not divisible" in m for m in msgs), msgs
 
 
-def _indivisible():
-    g = _world()
+def _value_errors(*calls) -> list[str]:
+    """Each call's ValueError message, or "no error"."""
     msgs = []
-    for fn in (lambda: comm.reduce_scatter(torch.ones(3), g), lambda: comm.all_to_all(torch.ones(3), g)):
+    for fn in calls:
         try:
             fn()
             msgs.append("no error")
         except ValueError as e:
             msgs.append(str(e))
     return msgs
+
+
+def _indivisible():
+    g = _world()
+    return _value_errors(lambda: comm.reduce_scatter(torch.ones(3), g),
+                         lambda: comm.all_to_all(torch.ones(3), g))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -282,16 +288,10 @@ def test_in_place_operations_accept_strided_tensors(run_ranks, n):
 
 
 def _bad_groups_and_splits():
-    g, msgs = _world(), []
-    for fn in (lambda: Group("elsewhere", [98, 99]).rank,
-               lambda: comm.all_to_all(torch.ones(4, 2), g, [2, 2], [1, 1, 2]),
-               lambda: comm.all_to_all(torch.ones(4, 2), g, [2, 2], [1, 1])):
-        try:
-            fn()
-            msgs.append("no error")
-        except ValueError as e:
-            msgs.append(str(e))
-    return msgs
+    g = _world()
+    return _value_errors(lambda: Group("elsewhere", [98, 99]).rank,
+                         lambda: comm.all_to_all(torch.ones(4, 2), g, [2, 2], [1, 1, 2]),
+                         lambda: comm.all_to_all(torch.ones(4, 2), g, [2, 2], [1, 1]))
 
 
 def test_bad_group_and_split_sizes_say_what_is_wrong(run_ranks):
@@ -307,14 +307,8 @@ def _p2p_with_oneself():
     mine, got = torch.full((3,), float(r)), torch.zeros(3)
     with comm.counting() as c:   # a ring of one rank: the message comes straight back
         comm.exchange([P2P("send", mine, 0), P2P("recv", got, 0)], one)
-    msgs = []
-    for fn in (lambda: comm.send(mine, one, 0), lambda: comm.recv(got, g, r),
-               lambda: comm.send(mine, g, n), lambda: comm.exchange([P2P("send", mine, r)], g)):
-        try:
-            fn()
-            msgs.append("no error")
-        except ValueError as e:
-            msgs.append(str(e))
+    msgs = _value_errors(lambda: comm.send(mine, one, 0), lambda: comm.recv(got, g, r),
+                         lambda: comm.send(mine, g, n), lambda: comm.exchange([P2P("send", mine, r)], g))
     return got, c.as_dict(), msgs
 
 

@@ -165,19 +165,30 @@ def test_parent_never_poisons_fork_and_only_nccl_needs_a_cuda_free_parent(monkey
         minitron.launch(_rank_times_ten, 0, world_size=2, backend="nccl")
 
 
+def _raise_on_rank_1_while_rank_0_waits():
+    if dist.get_rank() == 1:
+        raise KeyError("planted failure on rank one")
+    comm.all_reduce(torch.ones(4), _world())   # waits for rank 1 until the collective times out
+
+
 def _exit_on_rank_1():
     if dist.get_rank() == 1:
         os._exit(5)
     return "fine"
 
 
-def test_worker_pool_reports_a_dead_rank_at_once():
-    # The other rank holds a copy of the dead rank's pipe: only its process sentinel tells.
+@pytest.mark.parametrize("fn,error", [
+    # the other rank holds a copy of the dead rank's pipe: only its process sentinel tells
+    (_exit_on_rank_1, "rank 1 died with exit code 5 while in: running"),
+    # rank 0 waits in a collective for rank 1 until it times out: report rank 1 now
+    (_raise_on_rank_1_while_rank_0_waits, "rank 1 raised:(.|\n)*planted failure")],
+    ids=["dead", "raised"])
+def test_worker_pool_reports_the_failed_rank_at_once(fn, error):
     pool = minitron.WorkerPool(2, timeout=SHORT)
     try:
         start = time.monotonic()
-        with pytest.raises(minitron.RankError, match="rank 1 died with exit code 5 while in: running"):
-            pool.run(_exit_on_rank_1)
+        with pytest.raises(minitron.RankError, match=error):
+            pool.run(fn)
         assert time.monotonic() - start < SHORT
     finally:
         pool.close()
@@ -221,19 +232,3 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
 
-
-def _raise_on_rank_1_while_rank_0_waits():
-    if dist.get_rank() == 1:
-        raise KeyError("planted failure on rank one")
-    comm.all_reduce(torch.ones(4), _world())   # waits for rank 1 until the collective times out
-
-
-def test_worker_pool_reports_the_rank_that_raised_not_the_one_left_waiting():
-    pool = minitron.WorkerPool(2, timeout=SHORT)
-    try:
-        start = time.monotonic()
-        with pytest.raises(minitron.RankError, match="rank 1 raised:(.|\n)*planted failure"):
-            pool.run(_raise_on_rank_1_while_rank_0_waits)
-        assert time.monotonic() - start < SHORT
-    finally:
-        pool.close()
