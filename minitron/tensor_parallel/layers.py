@@ -39,9 +39,9 @@ def _divide(n: int, parts: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_i = x A_i^T (+ b_i): each rank computes a slice of the output features.
+    """y_i = x A_i (+ b_i): each rank computes a slice of the output features (weight = A_i^T).
 
-    skip_bias_add=True (Megatron's name) returns (x A_i^T, b_i) instead, leaving the bias to
+    skip_bias_add=True (Megatron's name) returns (x A_i, b_i) instead, leaving the bias to
     the caller so a fused kernel can add it together with what follows (e.g. bias + GeLU).
     """
 
@@ -71,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_i x_i B_i^T + b: each rank multiplies its slice of the input features."""
+    """y = sum_i x_i B_i + b: each rank multiplies its slice of the input features (weight = B_i^T)."""
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False):
