@@ -136,7 +136,7 @@ def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn
         payload = ("error", traceback.format_exc())
     err.write(native())
     try:
-        data = pickle.dumps((*payload, out.getvalue(), err.getvalue()))
+        data = dumps_for_parent((*payload, out.getvalue(), err.getvalue()))
     except Exception as e:
         data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {e}",
                              out.getvalue(), err.getvalue()))
@@ -148,6 +148,26 @@ def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn
     except BaseException:
         pass
     os._exit(0)  # never run the parent's atexit handlers (a Jupyter kernel's, say)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _CPUPickler(pickle.Pickler):
+    """Results travel to the parent as CPU tensors: unpickling a CUDA tensor there would
+    initialise CUDA in the parent, and after that no rank can be forked with a GPU."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return _same, (obj.detach().cpu(),)
+        return NotImplemented
+
+
+def dumps_for_parent(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _CPUPickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _capture_native_output() -> Callable[[], str]:
@@ -250,6 +270,13 @@ def _exit_reason(code: int | None) -> str:
 # Process groups
 # ----------------------------------------------------------------------------------------
 def _pick_backend(world_size: int) -> str:
+    """MINITRON_BACKEND if set (the lessons set gloo: their numbers are CPU numbers), else
+    nccl when there is one GPU per rank, else gloo."""
+    chosen = os.environ.get("MINITRON_BACKEND")
+    if chosen:
+        if chosen not in ("gloo", "nccl"):
+            raise ValueError(f"MINITRON_BACKEND={chosen!r}: use 'gloo' or 'nccl'")
+        return chosen
     # device_count() asks NVML; torch.cuda.is_available() would initialise the CUDA driver in
     # this process, and a rank forked after that cannot use CUDA ("poison fork").
     if torch.cuda.device_count() >= world_size:

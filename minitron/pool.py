@@ -10,7 +10,7 @@ import traceback
 from typing import Any, Callable
 
 from .launch import (DEFAULT_TIMEOUT, RankError, _check_can_fork, _enter_rank, _exit_reason,
-                     _free_port, _init, _pick_backend, _raise_if_a_peer_died, _Rank)
+                     _free_port, dumps_for_parent, _init, _pick_backend, _raise_if_a_peer_died, _Rank)
 
 
 class WorkerPool:
@@ -99,7 +99,7 @@ def _pool_main(rank, world_size, port, backend, timeout, conn, status, parent_pi
         except BaseException:
             reply = ("error", traceback.format_exc())
         try:
-            data = pickle.dumps(reply)
+            data = dumps_for_parent(reply)
         except Exception as e:
             data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {e}"))
         conn.send_bytes(data)

@@ -45,7 +45,6 @@ from .model.fused import check_kernels
 from .model.parallel import ParallelGPT
 from .model.reference import GPT
 from .optim import FusedAdamW
-from .tensor_parallel.random import DropoutRNG
 from .testing import rel_err
 
 # Relative-error tolerances. The loss is computed in float32 by both models whatever the
@@ -195,7 +194,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     tp, lead, seq = grid.tp, grid.rank == 0, seq or mcfg.seq_len
     ref = GPT(mcfg, seed).to(dtype)
     model = ParallelGPT.from_reference(ref, grid)
-    ref.to(grid.device).rng = DropoutRNG(seed, grid.device)   # the same generator as the ranks'
+    ref.to(grid.device)   # masks are drawn on the tensors' device: the same stream as the ranks'
     # The kernels' run steps with the fused AdamW kernel too; the reference never does.
     adamw = FusedAdamW if mcfg.use_kernels else torch.optim.AdamW
     opt = adamw(model.parameters(), lr=lr, eps=eps)

@@ -11,7 +11,7 @@ def _import_triton_for_this_machine():
     """triton.jit picks interpreter or compiler when triton is first imported, for good.
     Without a GPU the kernels can only run interpreted, so make that first import happen
     here, under TRITON_INTERPRET=1, whichever test file is collected first."""
-    if torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+    if torch.cuda.device_count() > 0 or "TRITON_INTERPRET" in os.environ:
         return
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -23,6 +23,8 @@ def _import_triton_for_this_machine():
 
 
 _import_triton_for_this_machine()
+# Every multi-process test builds CPU tensors: gloo ranks even on a machine with GPUs.
+os.environ.setdefault("MINITRON_BACKEND", "gloo")
 
 _pools: dict[int, minitron.WorkerPool] = {}
 
@@ -36,7 +38,8 @@ def run_ranks():
     """
     def run(fn, *args, world_size: int, **kwargs):
         if world_size not in _pools:
-            _pools[world_size] = minitron.WorkerPool(world_size, timeout=60)
+            # gloo even on a GPU machine: these tests build CPU tensors and CPU references.
+            _pools[world_size] = minitron.WorkerPool(world_size, backend="gloo", timeout=60)
         return _pools[world_size].run(fn, *args, **kwargs)
 
     yield run

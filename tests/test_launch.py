@@ -232,3 +232,26 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
 
+
+
+def test_backend_can_be_chosen_by_environment(monkeypatch):
+    from minitron.launch import _pick_backend
+    monkeypatch.setenv("MINITRON_BACKEND", "gloo")
+    assert _pick_backend(1) == "gloo"
+    monkeypatch.setenv("MINITRON_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="use 'gloo' or 'nccl'"):
+        _pick_backend(1)
+
+
+def _cuda_free_results():
+    return {"t": torch.arange(3.0), "nested": [torch.zeros(2, dtype=torch.int64)]}
+
+
+def test_results_come_back_as_cpu_tensors():
+    from minitron.launch import dumps_for_parent
+    import pickle
+    out = pickle.loads(dumps_for_parent(_cuda_free_results()))
+    assert torch.equal(out["t"], torch.arange(3.0)) and out["nested"][0].dtype == torch.int64
+    if torch.cuda.device_count() > 0:   # a CUDA tensor is moved, not sent as CUDA
+        moved = pickle.loads(dumps_for_parent(torch.ones(2, device="cuda")))
+        assert moved.device.type == "cpu"
