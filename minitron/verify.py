@@ -234,6 +234,8 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     (see enable_kernels).
     """
     check_built(parallel_config)
+    if steps < 1 or batch < 1:
+        raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
     if model_config.use_kernels:

@@ -226,3 +226,23 @@ def test_bad_configs_fail_early(run_ranks):
     assert "n_kv_heads=2 is not divisible by tp=4" in msgs[0]
     assert "ffn_hidden=6 is not divisible by tp=4" in msgs[1]
     assert "use_kernels" in msgs[2] and "TRITON_INTERPRET=1" in msgs[2]
+
+
+def _out_of_range_worker():
+    grid = build_grid(ParallelConfig(tp=2))
+    model = ParallelGPT(ModelConfig(**BASE), grid)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    msgs = []
+    for bad_tokens, bad_targets in ((tokens + BASE["vocab_size"], tokens), (tokens, tokens - 1)):
+        try:
+            model(bad_tokens, bad_targets)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_out_of_range_ids_are_refused(run_ranks):
+    msgs = run_ranks(_out_of_range_worker, world_size=2)[0]
+    assert len(msgs) == 2
+    assert msgs[0].startswith("token ids must lie in [0, vocab_size=")
+    assert msgs[1].startswith("target ids must lie in [0, vocab_size=")

@@ -162,6 +162,15 @@ class ParallelEmbedding(nn.Module):
         return x
 
 
+def _check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    # A vocab-parallel lookup would quietly give an out-of-range id a zero embedding (no
+    # rank owns its row), and the loss a wrong value: refuse it, as nn.Embedding does.
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{what} ids must lie in [0, vocab_size={vocab_size}); got ids from "
+                         f"{low} to {high}: fix the data or enlarge ModelConfig.vocab_size")
+
+
 class ParallelGPT(nn.Module):
     """forward(tokens) -> logits shard [b, s, V/tp]; forward(tokens, targets) -> (shard, loss)."""
 
@@ -200,6 +209,7 @@ class ParallelGPT(nn.Module):
         if self.ctx.sp and tokens.shape[1] % self.ctx.tp:
             raise ValueError(f"sequence parallelism splits the {tokens.shape[1]} tokens across "
                              f"tp={self.ctx.tp}: use a length that is a multiple of {self.ctx.tp}")
+        _check_ids(tokens, self.cfg.vocab_size, "token")
         return self.ctx.dropout(self.embedding(tokens), self.rng, self.training)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,6 +234,7 @@ class ParallelGPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean over all b*s tokens, the same number as the reference's F.cross_entropy."""
+        _check_ids(targets, self.cfg.vocab_size, "target")
         ce = fused_vocab_parallel_cross_entropy if self.cfg.use_kernels else vocab_parallel_cross_entropy
         return ce(logits, targets, self.ctx.group).mean()
 
