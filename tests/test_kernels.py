@@ -78,6 +78,8 @@ def poison():
 def check_op(op, reference, inputs, dtype, what, factor=1.0, grad_factor=None):
     """Forward and input gradients of op vs the float64 reference."""
     inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+    # ops silently takes its torch twin when a kernel cannot run: make sure this one can.
+    assert ops._triton_path(inputs[0]), f"{what}: the kernel would not run here (torch fallback)"
     out = op(*inputs)
     diff = [t for t in inputs if t.requires_grad]
     dout = torch.randn_like(out)
