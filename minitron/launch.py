@@ -4,8 +4,11 @@
 
 On one machine `launch` forks N processes (the function may be defined in a notebook: a
 forked child already has it, nothing is pickled), gives each a gloo process group (nccl when
-there is one GPU per rank), runs fn, and returns what each rank returned. What a rank prints
-is captured and echoed after the run, rank by rank, so notebook output is deterministic.
+there is one GPU per rank; MINITRON_BACKEND=gloo|nccl decides instead when set), runs fn, and
+returns what each rank returned, tensors moved to the CPU. What a rank prints is captured and
+echoed after the run, rank by rank, so notebook output is deterministic. The keyword
+arguments world_size, backend, timeout and echo belong to launch; every other keyword goes
+to fn.
 
 Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) the same call runs fn on this
 process only and returns every rank's result, gathered.
@@ -15,7 +18,8 @@ Failures never hang:
   * a rank that dies (killed, segfault, os._exit) is reported with its exit code and the
     operation it was in (minitron.comm publishes that to the parent);
   * a collective that a peer never joins times out after `timeout` seconds inside the rank
-    (gloo/nccl timeout) and comes back as the first case, naming rank and operation.
+    and comes back as the first case, naming rank and operation (gloo raises; nccl's
+    watchdog aborts the rank instead, which comes back as the second case).
 """
 from __future__ import annotations
 
