@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[course,kernels,test]"
 	@touch $(STAMP)
 
+# Jupyter refuses to run as root unless told to (containers and cloud machines often are root).
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 lab: setup
-	$(BIN)/jupyter lab lessons/00_collectives.ipynb
+	$(BIN)/jupyter lab $(ALLOW_ROOT) lessons/00_collectives.ipynb
 
 # The whole suite: unit and multi-process tests, every lesson and solution under nbval,
 # and every unsolved exercise shown to fail its grading.
