@@ -213,16 +213,19 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-_GRIDS: dict[tuple, Grid] = {}
+_GRIDS: dict[ParallelConfig, tuple[object, Grid]] = {}
 
 
 def build_grid(config: ParallelConfig) -> Grid:
-    """The Grid for `config`, built on first use and reused (creating groups is slow)."""
+    """The Grid for `config`, built on first use and reused (creating groups is slow).
+
+    A cached grid belongs to the world it was built in: after the process group is
+    destroyed and initialised again, the groups are built anew."""
     world = dist.group.WORLD if dist.is_initialized() else None
-    key = (id(world), config)
-    if key not in _GRIDS:
-        _GRIDS[key] = Grid(config)
-    return _GRIDS[key]
+    cached = _GRIDS.get(config)
+    if cached is None or cached[0] is not world:
+        cached = _GRIDS[config] = (world, Grid(config))
+    return cached[1]
 
 
 __all__ = ["DIMS", "GROUP_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size",
