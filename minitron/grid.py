@@ -17,6 +17,8 @@ Which groups exist, and what travels in each:
             expert-parallel ranks see different tokens, so for dense layers they are
             data-parallel replicas too)
   tp_cp     ranks sharing one sequence's activations   (tp x cp)
+  tp_ep     ranks exchanging one MoE layer's tokens    (tp x ep: with sequence parallelism
+            every TP rank holds different tokens, so dispatch spans both)
   mp        model-parallel ranks of one replica        (tp x pp: a global grad norm)
   embedding first and last pipeline stage              (tied embedding gradients)
 """
@@ -37,6 +39,7 @@ DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest first
 GROUP_DIMS = {
     "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
     "dp_cp": ("cp", "dp"), "dense_dp": ("cp", "ep", "dp"), "tp_cp": ("tp", "cp"),
+    "tp_ep": ("tp", "ep"),
     "mp": ("tp", "pp"),
 }
 
@@ -74,6 +77,10 @@ class ParallelConfig:
 
     def sizes(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in DIMS}
+
+    def build(self) -> "Grid":
+        """This rank's Grid with every process group (collective: every rank calls it)."""
+        return build_grid(self)
 
     # ---- pure arithmetic on the grid: usable without any processes (lessons draw it) ----
     def coords(self, rank: int) -> dict[str, int]:

@@ -51,6 +51,7 @@ def test_megatron_order_with_cp_and_ep():
     assert cfg.group_ranks(GROUP_DIMS["dp_cp"])[0] == [0, 2, 8, 10]
     assert cfg.group_ranks(GROUP_DIMS["dense_dp"])[0] == [0, 2, 4, 6, 8, 10, 12, 14]
     assert cfg.group_ranks(GROUP_DIMS["tp_cp"])[0] == [0, 1, 2, 3]
+    assert cfg.group_ranks(GROUP_DIMS["tp_ep"])[0] == [0, 1, 4, 5]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
@@ -137,7 +138,7 @@ def test_sizes_must_be_positive_integers(field, value):
 # ---- a real grid on 8 processes ----
 def _grid_worker(cfg):
     grid = build_grid(cfg)
-    again = build_grid(cfg)
+    again = cfg.build()   # the same object: groups are built once per world
     groups = {name: list(g.ranks) for name, g in grid.groups.items()}
     return {"rank": grid.rank, "coords": dict(grid.coords), "groups": groups,
             "cached": again is grid, "tp_rank": grid.tp_rank, "pp_rank": grid.pp_rank,
