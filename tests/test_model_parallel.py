@@ -207,17 +207,23 @@ def test_planted_bug_is_caught(run_ranks, name, bug, caught):
     assert by_name["loss"].ok and by_name["logits"].ok   # the forward pass is untouched by both
 
 
-def _errors_worker(tp):
-    grid = build_grid(ParallelConfig(tp=tp))
+def _value_errors(attempts) -> list[str]:
+    """The message of every attempt (a no-argument callable) that raised ValueError."""
     msgs = []
-    for cfg in (ModelConfig(**{**BASE, "n_kv_heads": 2}),
-                ModelConfig(**{**BASE, "ffn_hidden": 6, "activation": "swiglu"}),  # 2*6 splits, 6 not
-                ModelConfig(**{**BASE, "use_kernels": True})):  # CPU ranks, no interpreter
+    for attempt in attempts:
         try:
-            ParallelGPT(cfg, grid)
+            attempt()
         except ValueError as e:
             msgs.append(str(e))
     return msgs
+
+
+def _errors_worker(tp):
+    grid = build_grid(ParallelConfig(tp=tp))
+    bad = (ModelConfig(**{**BASE, "n_kv_heads": 2}),
+           ModelConfig(**{**BASE, "ffn_hidden": 6, "activation": "swiglu"}),  # 2*6 splits, 6 not
+           ModelConfig(**{**BASE, "use_kernels": True}))                      # CPU ranks, no interpreter
+    return _value_errors(lambda cfg=cfg: ParallelGPT(cfg, grid) for cfg in bad)
 
 
 def test_bad_configs_fail_early(run_ranks):
@@ -232,13 +238,8 @@ def _out_of_range_worker():
     grid = build_grid(ParallelConfig(tp=2))
     model = ParallelGPT(ModelConfig(**BASE), grid)
     tokens = torch.zeros(1, 8, dtype=torch.long)
-    msgs = []
-    for bad_tokens, bad_targets in ((tokens + BASE["vocab_size"], tokens), (tokens, tokens - 1)):
-        try:
-            model(bad_tokens, bad_targets)
-        except ValueError as e:
-            msgs.append(str(e))
-    return msgs
+    return _value_errors([lambda: model(tokens + BASE["vocab_size"], tokens),   # token too big
+                          lambda: model(tokens, tokens - 1)])                   # negative target
 
 
 def test_out_of_range_ids_are_refused(run_ranks):
