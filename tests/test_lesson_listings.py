@@ -1,0 +1,150 @@
+"""A source listing a learner reads in a lesson is the package's code as it is now.
+
+Convention: a lesson prints package source with cells made only of statements
+`print(inspect.getsource(X))` (comments allowed), X an expression over the names the
+notebook imports. This test finds every such cell, imports what the notebook imports (no
+cell is executed), and compares the cell's stored stdout with `inspect.getsource(X) + "\\n"`
+for each statement, in order. A cell that prints source any other way is reported, so no
+listing escapes the check; a listing cell with no stored output shows nothing stale and passes.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
+CONVENTION = "write it as `print(inspect.getsource(X))` statements alone in their cell"
+
+
+def _code(cell: dict) -> str:
+    """A cell's Python, without IPython's line magics (`%matplotlib inline`) and shell escapes."""
+    lines = "".join(cell["source"]).splitlines()
+    return "\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in lines)
+
+
+def _listed_expression(stmt: ast.stmt) -> ast.expr | None:
+    """X when `stmt` is `print(inspect.getsource(X))`, else None."""
+    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return None
+    call = stmt.value
+    if not (isinstance(call.func, ast.Name) and call.func.id == "print"
+            and len(call.args) == 1 and not call.keywords):
+        return None
+    inner = call.args[0]
+    if (isinstance(inner, ast.Call) and ast.unparse(inner.func) == "inspect.getsource"
+            and len(inner.args) == 1 and not inner.keywords):
+        return inner.args[0]
+    return None
+
+
+def _imports(cells: list[dict]) -> dict:
+    """The namespace the notebook's import statements build, run in cell order."""
+    namespace: dict = {}
+    for cell in cells:
+        for stmt in ast.parse(_code(cell)).body:
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                exec(compile(ast.Module([stmt], []), "<notebook imports>", "exec"), namespace)
+    return namespace
+
+
+def _stored_stdout(cell: dict) -> str:
+    return "".join("".join(o["text"]) for o in cell.get("outputs", [])
+                   if o["output_type"] == "stream" and o["name"] == "stdout")
+
+
+def _first_difference(stored: str, now: str) -> str:
+    diff = difflib.unified_diff(stored.splitlines(), now.splitlines(), "stored", "now", n=0, lineterm="")
+    return "\n".join(list(diff)[:12])
+
+
+def listing_problems(nb: dict, name: str) -> list[str]:
+    """Every stale or uncheckable source listing in notebook `nb`, as messages saying what to do."""
+    cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    problems, namespace = [], None
+    for cell in cells:
+        where = f"{name}, cell id {cell.get('id', '?')}"
+        code = _code(cell)
+        if "getsource" not in code:
+            continue
+        statements = ast.parse(code).body
+        listed = [_listed_expression(s) for s in statements]
+        if not statements or None in listed:
+            problems.append(f"{where} prints source in a form this check cannot verify: {CONVENTION}")
+            continue
+        if not cell.get("outputs"):
+            continue                  # shown without a stored output: nothing can be stale
+        if namespace is None:
+            namespace = _imports(cells)
+        now = []
+        for expr in listed:
+            try:
+                obj = eval(compile(ast.Expression(expr), "<listing>", "eval"), dict(namespace))
+            except Exception as e:
+                problems.append(f"{where} lists `{ast.unparse(expr)}`, which the notebook's imports "
+                                f"do not reach ({type(e).__name__}: {e}): list package code by an "
+                                "imported name")
+                break
+            now.append(inspect.getsource(obj) + "\n")
+        else:
+            stored = _stored_stdout(cell)
+            if stored != "".join(now):
+                names = ", ".join(ast.unparse(e) for e in listed)
+                problems.append(f"{where}: the stored listing of {names} is stale (it is not "
+                                "inspect.getsource of the code now); re-execute the notebook\n"
+                                + _first_difference(stored, "".join(now)))
+    return problems
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_stored_source_listings_are_the_current_source(path):
+    problems = listing_problems(json.loads(path.read_text()), path.name)
+    assert not problems, "\n\n".join(problems)
+
+
+# ---- the test of the test -------------------------------------------------------------------
+LESSON_01 = ROOT / "lessons" / "01_tensor_parallel_mlp.ipynb"
+
+
+def _lesson_01_listing_cells(nb):
+    cells = [c for c in nb["cells"] if c["cell_type"] == "code" and "getsource" in _code(c)]
+    assert cells, "lesson 01 has no source listing left to plant a stale one in"
+    return cells
+
+
+def test_a_planted_stale_listing_is_caught():
+    nb = json.loads(LESSON_01.read_text())
+    assert listing_problems(nb, "lesson 01") == []
+    cell = _lesson_01_listing_cells(nb)[0]
+    out = next(o for o in cell["outputs"] if o["output_type"] == "stream")
+    text = "".join(out["text"])
+    # An older _Copy.backward, as the issue found it stored: the listing no longer matches.
+    stale = text.replace("grad.clone(memory_format=torch.contiguous_format)", "grad.contiguous()")
+    assert stale != text, "lesson 01's first listing no longer shows _Copy.backward: update this test"
+    out["text"] = stale
+    problems = listing_problems(nb, "lesson 01")
+    assert len(problems) == 1
+    assert "is stale" in problems[0] and "mappings._Copy" in problems[0]
+    assert "-        return comm.all_reduce(grad.contiguous(), ctx.group), None" in problems[0]
+
+
+def test_a_listing_outside_the_convention_is_reported():
+    nb = json.loads(LESSON_01.read_text())
+    cell = _lesson_01_listing_cells(nb)[0]
+    cell["source"] = ["print(inspect.getsource(mappings._Copy)[:200])\n"]
+    problems = listing_problems(nb, "lesson 01")
+    assert len(problems) == 1 and "cannot verify" in problems[0], problems
+
+
+def test_a_listing_of_a_name_the_imports_do_not_reach_is_reported():
+    nb = json.loads(LESSON_01.read_text())
+    cell = _lesson_01_listing_cells(nb)[0]
+    cell["source"] = ["print(inspect.getsource(defined_in_a_cell))\n"]
+    problems = listing_problems(nb, "lesson 01")
+    assert len(problems) == 1 and "`defined_in_a_cell`" in problems[0], problems
+    assert "NameError" in problems[0]
