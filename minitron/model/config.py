@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"),
-           "position": ("learned", "rope")}
+           "position": ("learned", "rope"), "dropout_rng": ("exact", "per_rank")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +20,13 @@ class ModelConfig:
     activation: str = "gelu"
     position: str = "learned"
     dropout: float = 0.0          # embedding, attention-probability and residual dropout
+    # How a ParallelGPT rank draws its dropout masks (see tensor_parallel/random.py):
+    # "exact": the full mask, keep this rank's slice; equal to the reference's, element for
+    #          element (what the verifier checks), at tp times the mask memory;
+    # "per_rank": Megatron's seeding, seed + 2718 + tp_rank in tensor-parallel regions and
+    #          seed in replicated ones; only the local mask is drawn, but with dropout > 0
+    #          the masks are not the reference's. The single-device GPT always draws exact.
+    dropout_rng: str = "exact"
     tie_embeddings: bool = False
     bias: bool = True             # biases on the linear layers (norms always have theirs)
     norm_eps: float = 1e-5

@@ -22,8 +22,11 @@ parallelism each all-reduce becomes an all-gather plus a reduce-scatter of the s
 
 Logits stay split by vocabulary, [b, s, V/tp]; the loss comes from
 vocab_parallel_cross_entropy, which never gathers them. Dropout masks come from a DropoutRNG
-with the reference's seed: every rank draws the full mask and keeps its slice, so masks
-match the reference element for element (see tensor_parallel/random.py).
+with the reference's seed. By default (ModelConfig.dropout_rng="exact") every rank draws the
+full mask and keeps its slice, so masks match the reference element for element;
+dropout_rng="per_rank" seeds each TP rank Megatron's way and draws only the local mask
+(see tensor_parallel/random.py). Every dropout call passes `index` exactly when its
+activation is split across the group, which is how the RNG knows the region.
 
 ModelConfig(use_kernels=True) swaps in the fused Triton kernels (see fused.py).
 """
@@ -41,7 +44,7 @@ from ..tensor_parallel.grads import allreduce_sequence_parallel_grads
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                         gather_from_sequence_parallel_region)
-from ..tensor_parallel.random import DropoutRNG
+from ..tensor_parallel.random import DropoutRNG, make_dropout_rng
 from .config import ModelConfig
 from .convert import shard_state_dict
 from .fused import check_kernels, fused_attention_core, make_model_norm
@@ -63,7 +66,7 @@ class _Ctx:
         self.sp = grid.sequence_parallel
 
     def dropout(self, x: torch.Tensor, rng: DropoutRNG, training: bool) -> torch.Tensor:
-        """Residual dropout: the reference's [b, s, h] mask, this rank's sequence slice under SP."""
+        """Residual/embedding dropout: replicated [b, s, h], or this rank's sequence slice under SP."""
         if not self.sp:
             return rng.dropout(x, self.cfg.dropout, training)
         b, s_local, h = x.shape
@@ -188,7 +191,7 @@ class ParallelGPT(nn.Module):
         if not cfg.tie_embeddings:
             self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, ctx.group, bias=False,
                                                 sequence_parallel=ctx.sp)
-        self.rng = DropoutRNG(seed, device=grid.device)
+        self.rng = make_dropout_rng(cfg.dropout_rng, seed, ctx.tp_rank, device=grid.device)
         # The same weights as GPT(cfg, seed): initialise the full model once, keep our shards.
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid))
         self.to(grid.device)
