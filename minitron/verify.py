@@ -1,22 +1,22 @@
 """python -m minitron.verify --tp 2 --sp: the split model against one device, number for number.
 
 Both models start from the same weights and the same dropout seed and see the same batches.
-Every step compares, on rank 0 after gathering the shards (for the comparison only):
-logits, loss, dL/dX (X = the input of the first block), every weight gradient, and after
-one AdamW step on each side every weight. AdamW is elementwise, so stepping each rank's
-shards does exactly what stepping the full tensors does.
+Every step compares, on rank 0 after gathering the shards (for the comparison only): logits,
+loss, dL/dX (X = the input of the first block) and every weight gradient, each against the
+float32 rounding bar of minitron.verify_checks (C * sqrt(K) * eps32 for sums of K terms).
+Then both sides take one AdamW step on the same gradients, the reference's (each rank steps
+its shards: AdamW is elementwise), and every tensor's update w_new - w_old is compared with
+the reference's at the update's own scale. On every rank, the tensors a group holds whole
+(norm weights, row-parallel biases, positions under tp) must be bitwise identical across it,
+gradients and weights: the `replicas` rows, which name the tensor and ranks that differ.
 
-Prints one row per (step, quantity) with the worst relative error (minitron.testing.rel_err),
-then `PASS max_rel_err=...` (exit 0) or `FAIL ...` (exit 1). Gradients and weights are grouped
-by name with the layer index replaced by `*` (worst over the layers), covering every parameter.
+Prints one row per (step, quantity) with the worst relative error and its tolerance, the
+smallest margin (tolerance / error), then `PASS max_rel_err=...` (exit 0) or `FAIL ...`
+(exit 1). Gradients and updates are grouped by name with the layer index replaced by `*`
+(worst over the layers), covering every parameter.
 
-Why AdamW's eps defaults to 1e-6 here, not torch's 1e-8: Adam's first step moves each weight
-by lr * g / (|g| + eps), about lr * sign(g) whatever |g| is. Float32 gradients carry rounding
-noise of ~1e-7 of their tensor's largest entry, and a gradient entry at that level (the key
-bias's gradient is zero in exact arithmetic, so it is all noise) would be moved by up to lr in
-a direction the rounding picked, on each side differently. eps sets the size below which a
-gradient counts as noise; 1e-6 with lr 1e-4 keeps that amplification below the tolerance.
-`--eps 1e-8 --lr 1e-3` shows the effect: only the updated weights (and the next steps) drift.
+AdamW's eps defaults to 1e-6 here, not torch's 1e-8: a gradient entry at the float32 noise
+level (~1e-7 of its tensor's largest) counts as noise, not as a direction worth lr.
 
 `--kernels` builds the split model with ModelConfig(use_kernels=True), so its norms, attention,
 MLP activations and loss run minitron.kernels' fused Triton kernels, and steps it with
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 
 import torch
@@ -40,17 +39,15 @@ from . import comm
 from .grid import ParallelConfig, build_grid, validate_model
 from .launch import DEFAULT_TIMEOUT, _pick_backend, launch
 from .model.config import CHOICES, ModelConfig
-from .model.convert import gather_state_dict, grads_state_dict
+from .model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from .model.fused import check_kernels
 from .model.parallel import ParallelGPT
 from .model.reference import GPT
 from .optim import FusedAdamW
-from .testing import rel_err
+from .verify_checks import (Plant, Row, float32_tolerance, grad_rows, pattern,
+                            replica_rows, sum_rows, update_rows)
 
-# Relative-error tolerances. The loss is computed in float32 by both models whatever the
-# dtype (see tensor_parallel/cross_entropy.py), so float64 runs are held to the same bar.
-FLOOR = 1e-3
-TOLERANCES = {"loss": 1e-5, "logits": 1e-4, "dL/dX": 1e-4, "grad": 1e-4, "weight": 1e-4}
+_pattern = pattern     # the name tests import
 
 # Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
 UNBUILT = {"pp": ("pipeline parallelism", "pipeline stages and schedules, lesson 04"),
@@ -59,18 +56,6 @@ UNBUILT = {"pp": ("pipeline parallelism", "pipeline stages and schedules, lesson
            "ep": ("expert parallelism", "mixture of experts, lesson 08"),
            "virtual_pp": ("interleaved (virtual) pipeline parallelism",
                           "interleaved schedules, lesson 04")}
-
-
-@dataclasses.dataclass
-class Row:
-    step: int
-    quantity: str
-    err: float
-    tol: float
-
-    @property
-    def ok(self) -> bool:
-        return self.err <= self.tol   # False for NaN too
 
 
 @dataclasses.dataclass
@@ -89,20 +74,40 @@ class Report:
     def failures(self) -> list[Row]:
         return [r for r in self.rows if not r.ok]
 
+    def worst(self, rows: list[Row]) -> Row:
+        """The row nearest to (or furthest past) its tolerance."""
+        return max(rows, key=_ratio)
+
     def table(self) -> str:
         width = max(len(r.quantity) for r in self.rows)
-        lines = [f"{'step':>4}  {'quantity':<{width}}  {'rel_err':>9}  {'tol':>7}  ok"]
+        lines = [f"{'step':>4}  {'quantity':<{width}}  {'rel_err':>9}  {'tol':>8}  {'margin':>7}  ok"]
         for r in self.rows:
-            lines.append(f"{r.step:>4}  {r.quantity:<{width}}  {r.err:9.2e}  {r.tol:7.0e}  "
+            tol = f"{r.tol:8.1e}" if r.tol else f"{'bitwise':>8}"
+            margin = f"{r.tol / r.err:6.0f}x" if r.tol and r.err > 0 else f"{'-':>7}"
+            lines.append(f"{r.step:>4}  {r.quantity:<{width}}  {r.err:9.2e}  {tol}  {margin}  "
                          f"{'yes' if r.ok else 'NO'}")
+        if self.passed:
+            w = self.worst([r for r in self.rows if r.tol] or self.rows)
+            lines.append(f"smallest margin: tol/err = {w.tol / w.err if w.err else float('inf'):.0f}x "
+                         f"(step {w.step} {w.quantity}: {w.err:.2e} vs tol {w.tol:.1e})")
         return "\n".join(lines)
 
     def verdict(self) -> str:
         if self.passed:
             return f"PASS max_rel_err={self.max_rel_err:.2e}"
-        worst = max(self.failures, key=lambda r: r.err if r.err == r.err else float("inf"))
+        w = self.worst(self.failures)
+        where = w.detail or f"rel_err={w.err:.2e} > tol={w.tol:.1e}"
         return (f"FAIL {len(self.failures)} of {len(self.rows)} comparisons; worst: step "
-                f"{worst.step} {worst.quantity} rel_err={worst.err:.2e} > tol={worst.tol:.0e}")
+                f"{w.step} {w.quantity}: {where}")
+
+
+def _ratio(r: Row) -> float:
+    """err / tol; inf for NaN and for any difference where none is allowed."""
+    if r.err != r.err:
+        return float("inf")
+    if r.tol == 0:
+        return float("inf") if r.err > 0 else 0.0
+    return r.err / r.tol
 
 
 def check_built(pcfg: ParallelConfig) -> None:
@@ -136,33 +141,6 @@ def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
     return data[:, :-1], data[:, 1:]
 
 
-def _pattern(name: str) -> str:
-    return re.sub(r"layers\.\d+\.", "layers.*.", name)
-
-
-def _grouped(step: int, kind: str, actual: dict, expected: dict) -> list[Row]:
-    """One row per name pattern: the worst error over the layers it covers.
-
-    Each tensor's error is relative to its own largest entry, but never to less than FLOOR
-    times the largest entry in the whole model: a tensor that is zero up to rounding (the
-    key bias's gradient is exactly zero in exact arithmetic, since softmax ignores a constant
-    added to every score of a query) has no scale of its own to be relative to.
-    """
-    if actual.keys() != expected.keys():
-        differ = sorted(actual.keys() ^ expected.keys())
-        raise AssertionError(f"{kind}: parameter names differ: {differ}")
-    floor = FLOOR * max(e.abs().max().item() for e in expected.values())
-    worst: dict[str, float] = {}
-    for name in expected:
-        e = rel_err(actual[name], expected[name])
-        scale = expected[name].abs().max().item()
-        if scale < floor:
-            e = e * scale / floor if scale > 0 else e / floor
-        p = _pattern(name)
-        worst[p] = max(worst.get(p, 0.0), e) if e == e else float("nan")
-    return [Row(step, f"{kind} {p}", e, TOLERANCES[kind]) for p, e in worst.items()]
-
-
 def parallel_step(model: ParallelGPT, tokens, targets, step_seed: int):
     """Forward, loss, backward and the gradient fix-up; returns (X, logits shard, loss)."""
     model.rng.reset(step_seed)
@@ -175,23 +153,38 @@ def parallel_step(model: ParallelGPT, tokens, targets, step_seed: int):
     return x, logits, loss
 
 
-def reference_step(ref: GPT, tokens, targets, step_seed: int):
-    """The same on the reference: what GPT.forward does, with X kept."""
+def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.float32):
+    """The same on the reference: what GPT.forward does, with X kept. (loss_dtype=float64 makes
+    a float64 model exact up to float64 rounding: the oracle tests measure float32 against.)"""
     ref.rng.reset(step_seed)
     x = ref.embed(tokens)
     x.retain_grad()
     logits = ref.run_layers(x) @ ref.output_weight().t()
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets.flatten())
     loss.backward()
     return x, logits, loss
 
 
+def _from_rank0(tensors: dict, grid) -> dict:
+    """Every rank gets rank 0's tensors (one counted broadcast over the world)."""
+    world = comm.Group("world", range(grid.world_size))   # pg None: torch's default group
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    comm.broadcast(flat, world, src=0)
+    out, offset = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[offset:offset + t.numel()].view_as(t)
+        offset += t.numel()
+    return out
+
+
 def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.dtype = torch.float32,
              seed: int = 0, lr: float = 1e-4, eps: float = 1e-6, batch: int = 2,
-             seq: int | None = None) -> list[Row] | None:
-    """The body every rank runs; rank 0 also runs the reference and returns the rows."""
+             seq: int | None = None, plant: str | None = None) -> list[Row] | None:
+    """The body every rank runs; rank 0 also runs the reference and returns the rows.
+
+    `plant` (tests only, see verify_checks.PLANTS) puts a deliberate error into the run."""
     grid = build_grid(pcfg)
-    tp, lead, seq = grid.tp, grid.rank == 0, seq or mcfg.seq_len
+    lead, seq, planted = grid.rank == 0, seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
     model = ParallelGPT.from_reference(ref, grid)
     ref.to(grid.device)   # masks are drawn on the tensors' device: the same stream as the ranks'
@@ -199,35 +192,49 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     adamw = FusedAdamW if mcfg.use_kernels else torch.optim.AdamW
     opt = adamw(model.parameters(), lr=lr, eps=eps)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps)
+    tol = float32_tolerance(mcfg, batch, seq)
     rows: list[Row] = []
     for step in range(steps):
-        batch_ = make_batch(step, seed, batch, seq, mcfg.vocab_size)
-        tokens, targets = (t.to(grid.device) for t in batch_)
+        tokens, targets = (t.to(grid.device) for t in make_batch(step, seed, batch, seq, mcfg.vocab_size))
         step_seed = seed * 1_000 + step       # each step's dropout masks, on both sides
         x, logits, loss = parallel_step(model, tokens, targets, step_seed)
+        planted.grads(model, grid)
         # Gather what rank 0 compares (collectives: every rank takes part).
-        full_logits = comm.all_gather(logits.detach(), tp, dim=-1)
-        dx = comm.all_gather(x.grad, tp, dim=1) if grid.sequence_parallel else x.grad
+        full_logits = planted.logits(comm.all_gather(logits.detach(), grid.tp, dim=-1))
+        dx = comm.all_gather(x.grad, grid.tp, dim=1) if grid.sequence_parallel else x.grad
         grads = gather_state_dict(grads_state_dict(model), mcfg, grid)
+        grad_replicas = replica_rows(step, "grads", grads_state_dict(model), mcfg, grid)
+        if lead:
+            ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed)
+            rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (loss, ref_loss),
+                                    "dL/dX": (dx, ref_x.grad)}, tol)
+            rows += grad_rows(step, grads, grads_state_dict(ref), tol) + grad_replicas
+        # Both optimizers step on the reference's gradients: the step is checked on its own.
+        ref_grads = _from_rank0({n: p.grad if lead else torch.empty_like(p)
+                                 for n, p in ref.named_parameters()}, grid)
+        with torch.no_grad():
+            for name, shard in shard_state_dict(ref_grads, mcfg, grid).items():
+                model.get_parameter(name).grad.copy_(shard)
+        old = gather_state_dict(model.state_dict(), mcfg, grid)
+        planted.before_step(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        weights = gather_state_dict(model.state_dict(), mcfg, grid)
-        if not lead:
-            continue
-        ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed)
-        rows += [Row(step, "logits", rel_err(full_logits, ref_logits), TOLERANCES["logits"]),
-                 Row(step, "loss", rel_err(loss, ref_loss), TOLERANCES["loss"]),
-                 Row(step, "dL/dX", rel_err(dx, ref_x.grad), TOLERANCES["dL/dX"])]
-        rows += _grouped(step, "grad", grads, grads_state_dict(ref))
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        rows += _grouped(step, "weight", weights, {n: p.detach() for n, p in ref.named_parameters()})
+        planted.after_step(model, grid)
+        weight_replicas = replica_rows(step, "weights", model.state_dict(), mcfg, grid)
+        new = gather_state_dict(model.state_dict(), mcfg, grid)
+        if lead:
+            ref_old = {n: p.detach().clone() for n, p in ref.named_parameters()}
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            ref_new = {n: p.detach() for n, p in ref.named_parameters()}
+            rows += update_rows(step, new, old, ref_new, ref_old) + weight_replicas
     return rows if lead else None
 
 
 def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
-           batch: int = 2, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> Report:
+           batch: int = 2, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+           plant: str | None = None) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
@@ -238,11 +245,12 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
+    Plant(plant)                                      # an unknown plant fails here, not in a rank
     if model_config.use_kernels:
         check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
-                  world_size=parallel_config.world_size, timeout=timeout)[0]
+                  plant, world_size=parallel_config.world_size, timeout=timeout)[0]
     return Report(rows)
 
 
@@ -291,6 +299,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
                         "activations, loss) and FusedAdamW; on CPU ranks through the Triton "
                         "interpreter (TRITON_INTERPRET=1, set here; a few seconds at the default shape)")
+    r.add_argument("--plant", default=None, help=argparse.SUPPRESS)   # tests: verify_checks.PLANTS
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--hidden", type=int, default=64)
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                            dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias,
                            use_kernels=args.kernels)
         validate_model(pcfg, mcfg)
+        Plant(args.plant)
         dtype = getattr(torch, args.dtype)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{pcfg}\n{mcfg}\nbatch={args.batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
           f"lr={args.lr} eps={args.eps}\n{kernels}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
-                    batch=args.batch)
+                    batch=args.batch, plant=args.plant)
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1

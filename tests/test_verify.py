@@ -1,23 +1,139 @@
-"""The verifier's command line: a passing run, options not built yet, and bad configurations."""
+"""The verifier itself: it passes correct splits with a margin, and fails planted errors by name.
+
+Correct runs at tp 1, 2, 3, 4 and 8 (the tp 8 one is the shape that once failed falsely);
+planted errors (minitron.verify_checks.PLANTS): replicas drifting on rank 1, a 1% error in one
+update, one gradient, one logit; the float32 tolerances measured against a float64 reference;
+the command line.
+"""
+import copy
+import math
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from minitron import verify
+from minitron.grid import ParallelConfig
+from minitron.model import GPT, ModelConfig
+from minitron.model.convert import grads_state_dict
+from minitron.testing import rel_err
+from minitron.verify import Report, Row, make_batch, reference_step, run_rank
+from minitron.verify_checks import C_SUM, EPS32, grad_rows, longest_sum
+
+SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
+LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
+CORRECT = {
+    # name: (tp, sequence_parallel, model options)
+    "tp1": (1, False, {}),
+    "tp2-sp-llama-gqa": (2, True, dict(LLAMA, n_kv_heads=2)),
+    "tp3-sp": (3, True, dict(vocab_size=96, seq_len=12, hidden=48, n_heads=6)),
+    "tp4-gqa-tied": (4, False, dict(n_heads=8, n_kv_heads=4, tie_embeddings=True, dropout=0.0)),
+    # python -m minitron.verify --tp 8 --heads 8: once a false FAIL on attention.v.bias's update
+    "tp8-heads8-default-shape": (8, False, dict(vocab_size=128, seq_len=16, hidden=64, n_heads=8)),
+}
 
 
-def test_cli_passes_on_tp2_sp():
+def _run(run_ranks, tp, sp=False, steps=2, plant=None, **opts):
+    pcfg = ParallelConfig(tp=tp, sequence_parallel=sp)
+    return Report(run_ranks(run_rank, pcfg, ModelConfig(**{**SMALL, **opts}), steps,
+                            plant=plant, world_size=tp)[0])
+
+
+@pytest.mark.parametrize("name", list(CORRECT))
+def test_correct_split_passes_with_margin(run_ranks, name):
+    tp, sp, opts = CORRECT[name]
+    report = _run(run_ranks, tp, sp, **opts)
+    assert report.passed, report.table()
+    # Well inside the tolerance: within a quarter of it (C_SUM/4 units of sqrt(K) eps32).
+    worst = report.worst(report.rows)
+    assert worst.err <= worst.tol / 4, report.table()
+    assert [r.err for r in report.rows if r.quantity.startswith("replicas")] == [0.0] * 4
+
+
+# ---- replicas: bitwise identical across the ranks that hold them --------------------------------
+def test_gradient_drift_on_rank_1_fails_naming_tensor_and_ranks(run_ranks):
+    """The issue's repro: plain TP, rank 1 halves its norm gradients after finalize_grads."""
+    report = _run(run_ranks, 2, steps=1, plant="replica-drift")
+    assert [r.quantity for r in report.failures] == ["replicas grads"]   # rank 0's copy is right
+    assert re.fullmatch(r"FAIL 1 of \d+ comparisons; worst: step 0 replicas grads: grad "
+                        r"(layers\.\d\.(attn|mlp)_norm|final_norm)\.weight differs between tp ranks "
+                        r"0 and 1 \(global ranks 0 and 1\): max rel diff 5\.00e-01", report.verdict())
+
+
+def test_one_ulp_weight_drift_on_rank_1_fails(run_ranks):
+    report = _run(run_ranks, 2, sp=True, steps=1, plant="weight-drift")
+    assert [r.quantity for r in report.failures] == ["replicas weights"]
+    assert ("worst: step 0 replicas weights: weight final_norm.weight differs between tp ranks 0 "
+            "and 1 (global ranks 0 and 1): max rel diff 1.19e-07") in report.verdict()
+
+
+# ---- a 1% error in one tensor is caught, and nothing else is blamed -----------------------------
+@pytest.mark.parametrize("plant,caught", [
+    ("update", "weight layers.*.mlp.fc1.weight"),          # split over tp
+    ("update:final_norm.weight", "weight final_norm.weight"),   # replicated, w = 1: coarsest
+    ("grad", "grad layers.*.mlp.fc1.weight"),
+    ("logit", "logits"),
+])
+def test_planted_one_percent_error_is_caught(run_ranks, plant, caught):
+    report = _run(run_ranks, 2, steps=1, plant=plant)
+    assert [r.quantity for r in report.failures] == [caught], report.table()
+    row = report.failures[0]
+    assert 5e-3 < row.err < 1.1e-2 and row.err > 100 * row.tol
+    assert report.verdict().startswith(f"FAIL 1 of {len(report.rows)} comparisons; worst: step 0 "
+                                       f"{caught}: rel_err={row.err:.2e} > tol=")
+
+
+def test_unknown_plant_is_refused_before_launch():
+    with pytest.raises(ValueError, match="unknown plant 'drift': choose one of"):
+        verify.verify(ParallelConfig(tp=2), ModelConfig(**SMALL), plant="drift")
+
+
+# ---- the float32 tolerance, measured against float64 -------------------------------------------
+@pytest.mark.parametrize("opts", [{}, dict(LLAMA, n_kv_heads=2, hidden=64, n_heads=4),
+                                  dict(vocab_size=256, seq_len=32, hidden=64, n_layers=3)])
+def test_tolerance_covers_float32_with_margin_and_no_more(opts):
+    """The float32 reference's own error (vs the same weights in float64, loss included) is
+    what any correct float32 computation makes: the tolerance must sit above it with a margin
+    of at least 4, and not more than 50 times above the largest (not lenient)."""
+    cfg = ModelConfig(**{**SMALL, **opts})
+    r32 = GPT(cfg, 0)
+    r64 = copy.deepcopy(r32).double()
+    tokens, targets = make_batch(0, 0, 2, cfg.seq_len, cfg.vocab_size)
+    x32, logits32, loss32 = reference_step(r32, tokens, targets, 0)
+    x64, logits64, loss64 = reference_step(r64, tokens, targets, 0, loss_dtype=torch.float64)
+    errs = {"logits": rel_err(logits32, logits64), "loss": rel_err(loss32, loss64),
+            "dL/dX": rel_err(x32.grad, x64.grad),
+            "grad": max(r.err for r in grad_rows(0, grads_state_dict(r32), grads_state_dict(r64), 1.0))}
+    tol = C_SUM * math.sqrt(longest_sum(cfg, 2, cfg.seq_len)) * EPS32
+    assert all(4 * e <= tol for e in errs.values()), (tol, errs)
+    assert tol <= 50 * max(errs.values()), (tol, errs)
+
+
+# ---- the command line -------------------------------------------------------------------------
+def test_cli_passes_on_tp2_sp_and_shows_margins():
     run = subprocess.run([sys.executable, "-m", "minitron.verify", "--tp", "2", "--sp", "--steps", "2"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.strip().splitlines()
     assert lines[-1].startswith("PASS max_rel_err=")
-    assert float(lines[-1].split("=")[1]) <= 1e-4
+    assert float(lines[-1].split("=")[1]) <= 2e-6
+    assert re.fullmatch(r"smallest margin: tol/err = \d+x \(step \d .+: \S+ vs tol 7\.6e-06\)", lines[-2])
     rows = [line for line in lines if line.split()[0] in ("0", "1")]
     assert {line.split()[0] for line in rows} == {"0", "1"}        # both steps reported
     assert all(line.endswith("yes") for line in rows)
     assert any("grad layers.*.mlp.fc1.weight" in line for line in rows)
+    assert sum("replicas" in line for line in rows) == 4
+
+
+def test_cli_planted_drift_exits_1():
+    run = subprocess.run([sys.executable, "-m", "minitron.verify", "--tp", "2", "--steps", "1",
+                          "--plant", "replica-drift"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "differs between tp ranks 0 and 1" in run.stdout.strip().splitlines()[-1]
+    assert "--plant" not in subprocess.run([sys.executable, "-m", "minitron.verify", "--help"],
+                                           capture_output=True, text=True).stdout   # hidden
 
 
 @pytest.mark.parametrize("option,what", [
@@ -46,10 +162,14 @@ def test_unknown_option_is_an_argparse_error(capsys):
 
 
 def test_report_verdicts():
-    ok = verify.Report([verify.Row(0, "loss", 1e-7, 1e-5), verify.Row(0, "logits", 2e-5, 1e-4)])
+    ok = Report([Row(0, "loss", 1e-7, 1e-5), Row(0, "logits", 2e-5, 1e-4)])
     assert ok.passed and ok.verdict() == "PASS max_rel_err=2.00e-05"
-    bad = verify.Report([verify.Row(0, "loss", 1e-7, 1e-5), verify.Row(1, "dL/dX", float("nan"), 1e-4)])
+    assert ok.table().splitlines()[-1] == ("smallest margin: tol/err = 5x (step 0 logits: 2.00e-05 "
+                                           "vs tol 1.0e-04)")
+    bad = Report([Row(0, "loss", 1e-7, 1e-5), Row(1, "dL/dX", float("nan"), 1e-4)])
     assert not bad.passed and bad.verdict().startswith("FAIL 1 of 2 comparisons; worst: step 1 dL/dX")
+    drift = Report([Row(0, "loss", 2e-5, 1e-5), Row(0, "replicas grads", 1e-7, 0.0, "grad x differs")])
+    assert drift.verdict() == "FAIL 2 of 2 comparisons; worst: step 0 replicas grads: grad x differs"
 
 
 @pytest.mark.parametrize("option", ["--steps", "--batch"])

@@ -1,0 +1,259 @@
+"""The comparisons behind minitron.verify: tolerances, rows, the update check, replica checks.
+
+Tolerances for logits, loss, dL/dX and gradients (see `float32_tolerance`): both sides compute
+the same sums in float32, in different orders (a split reduction, a different kernel), so each
+result differs from the exact one by rounding. For a sum of K terms the rounding error grows
+like sqrt(K) * eps32 relative to the terms (a random walk of K roundings, eps32 = 2^-23); the
+longest sum in the model, K = max(hidden, ffn, vocab, seq, batch*seq), sets the bar, and a
+constant C covers the chain of such sums (layers, forward then backward) and the errors of
+both sides:
+
+    tol = C * sqrt(K) * eps32,   C = 4            (default model: K = 256, tol = 7.6e-6)
+
+C is measured, not guessed (tests/test_verify.py). In units of sqrt(K) * eps32, the float32
+reference's own error against a float64 reference of the same weights stays below 0.45 on
+the shapes tried, and so does a correct split's error against the float32 reference (tp 1 to
+8, SP, GQA, RMSNorm/SwiGLU/RoPE, dropout, the fused kernels): a split is as accurate as one
+device. C = 4 leaves a margin of 8 or more over that, while a 1% error anywhere is 1000 times
+over. The loss is computed in float32 on both sides whatever the dtype, so float64 runs are
+held to the same bar.
+
+The optimizer step is checked at its own scale. Adam moves a weight by about lr * sign(g)
+however small |g| is, so an entry of g that is rounding noise (the key bias's gradient is
+zero in exact arithmetic) would turn two slightly different gradients into two full, opposite
+steps. So both optimizers are driven by the same gradients, the reference's (each rank gets
+its shards of them); the gradients themselves are compared separately, above. Then the update
+u = w_new - w_old of every tensor is compared with the reference's update, relative to the
+largest entry of that update, after allowing each entry the float32 spacing of the stored
+weight (2 ulp: w_new is rounded once on each side; an update is only as precise as the weight
+that holds it). AdamW is elementwise, so what remains is a few roundings of the step itself:
+
+    update tol = 16 * eps32 = 1.9e-6     (measured: 0 with torch's AdamW, <= 1.1 eps32 with FusedAdamW)
+
+A 1% error in one tensor's update is then 5000 times over (a norm weight of 1.0 moved by
+lr = 1e-4 is resolved only to 2.4e-7 of its 1e-4 update: still caught, at 7.6e-3).
+
+Replicas: a parameter that a group holds whole (norm weights, row-parallel biases and learned
+positions on the tensor-parallel group; later every parameter on the data- and context-
+parallel groups, and the tied embedding on the pipeline's embedding group) must stay bitwise
+identical across that group, gradients and weights alike, or the ranks train different
+models. `replica_rows` all-gathers them (counted, through minitron.comm) and compares bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from . import comm
+from .grid import Grid
+from .model.config import ModelConfig
+from .model.convert import Rule, rules
+from .testing import rel_err
+
+EPS32 = torch.finfo(torch.float32).eps
+C_SUM = 4          # tol = C_SUM * sqrt(K) * eps32 for logits, loss, dL/dX, gradients
+C_UPDATE = 16      # update tol = C_UPDATE * eps32, beyond the weight's own spacing
+ULP_SLACK = 2      # spacings of the stored weight allowed per entry of an update
+FLOOR = 1e-3       # a tensor with no scale of its own is measured against this much of the largest
+
+
+@dataclasses.dataclass
+class Row:
+    step: int
+    quantity: str
+    err: float
+    tol: float
+    detail: str = ""      # what went wrong, where a number alone does not say (replicas)
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol   # False for NaN too
+
+
+def longest_sum(cfg: ModelConfig, batch: int, seq: int) -> int:
+    """K: the most terms any one number of the step is a sum of."""
+    return max(cfg.hidden, cfg.ffn, cfg.vocab_size, seq, batch * seq)
+
+
+def float32_tolerance(cfg: ModelConfig, batch: int, seq: int) -> float:
+    return C_SUM * math.sqrt(longest_sum(cfg, batch, seq)) * EPS32
+
+
+def update_tolerance() -> float:
+    return C_UPDATE * EPS32
+
+
+def pattern(name: str) -> str:
+    return re.sub(r"layers\.\d+\.", "layers.*.", name)
+
+
+def _worst_per_pattern(step: int, kind: str, errs: dict[str, float], tol: float) -> list[Row]:
+    worst: dict[str, float] = {}
+    for name, e in errs.items():
+        prev = worst.get(pattern(name), 0.0)
+        worst[pattern(name)] = prev if prev != prev or e <= prev else e   # NaN sticks
+    return [Row(step, f"{kind} {p}", e, tol) for p, e in worst.items()]
+
+
+def _same_names(kind: str, actual: dict, expected: dict) -> None:
+    if actual.keys() != expected.keys():
+        raise AssertionError(f"{kind}: parameter names differ: {sorted(actual.keys() ^ expected.keys())}")
+
+
+def grad_rows(step: int, actual: dict, expected: dict, tol: float) -> list[Row]:
+    """One row per name pattern: the worst error over the layers it covers.
+
+    Each tensor's error is relative to its own largest entry, but never to less than FLOOR
+    times the largest gradient entry in the whole model: a gradient that is zero up to
+    rounding (the key bias's: softmax ignores a constant added to all scores of a query) has
+    no scale of its own to be relative to.
+    """
+    _same_names("grad", actual, expected)
+    floor = FLOOR * max(e.abs().max().item() for e in expected.values())
+    errs = {}
+    for name, e in expected.items():
+        diff = (actual[name].double() - e.double()).abs().max().item()
+        errs[name] = diff / max(e.abs().max().item(), floor)
+    return _worst_per_pattern(step, "grad", errs, tol)
+
+
+def ulp(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of t's dtype at each |entry| (as float64)."""
+    a = t.detach().abs()
+    return (torch.nextafter(a, torch.full_like(a, math.inf)) - a).double()
+
+
+def update_err(new: torch.Tensor, old: torch.Tensor, ref_new: torch.Tensor, ref_old: torch.Tensor) -> float:
+    """max |u - u_ref| beyond ULP_SLACK spacings of the weight, over max |u_ref|."""
+    u = new.double() - old.double()          # exact: float32 differences fit in float64
+    u_ref = ref_new.double() - ref_old.double()
+    excess = ((u - u_ref).abs() - ULP_SLACK * ulp(ref_new)).clamp(min=0).max().item()
+    scale = u_ref.abs().max().item()
+    return excess / scale if scale > 0 else excess
+
+
+def update_rows(step: int, new: dict, old: dict, ref_new: dict, ref_old: dict) -> list[Row]:
+    _same_names("weight", new, ref_new)
+    errs = {n: update_err(new[n], old[n], ref_new[n], ref_old[n]) for n in ref_new}
+    return _worst_per_pattern(step, "weight", errs, update_tolerance())
+
+
+def sum_rows(step: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], tol: float) -> list[Row]:
+    """Rows for whole tensors (logits, loss, dL/dX): rel_err against the reference."""
+    return [Row(step, what, rel_err(a, e), tol) for what, (a, e) in pairs.items()]
+
+
+# ---- replicas ---------------------------------------------------------------------------------
+def replica_groups(rule: Rule, grid: Grid) -> list[str]:
+    """The groups across which this parameter is held whole (and must stay identical).
+
+    Not split along tp: replicated over tp. Every parameter is replicated over dp and cp (data
+    and context parallelism copy the model); groups of one rank are skipped by the caller.
+    A pipeline's tied embedding (first stage's embedding = last stage's output layer) joins
+    here when pipeline stages land, as the "embedding" group.
+    """
+    groups = ["dp", "cp"]
+    if rule.dim is None:
+        groups.insert(0, "tp")
+    return groups
+
+
+def replica_rows(step: int, kind: str, local: dict, cfg: ModelConfig, grid: Grid) -> list[Row]:
+    """All-gather every replicated tensor over its group and compare bitwise (collective).
+
+    One row: err = the largest relative difference between two copies (0 when identical),
+    tol = 0, and the first offending tensor and ranks in `detail`.
+    """
+    by_group: dict[str, list[str]] = {}
+    for rule in rules(cfg):
+        if rule.name in local:
+            for g in replica_groups(rule, grid):
+                if getattr(grid, g).size > 1:
+                    by_group.setdefault(g, []).append(rule.name)
+    worst, detail = 0.0, ""
+    for g, names in by_group.items():
+        group = getattr(grid, g)
+        flat = torch.cat([local[n].detach().reshape(-1) for n in names])
+        copies = comm.all_gather(flat.unsqueeze(0).contiguous(), group, dim=0)   # [size, numel]
+        offset = 0
+        for n in names:
+            piece = copies[:, offset:offset + local[n].numel()]
+            offset += local[n].numel()
+            for r in range(1, group.size):
+                if torch.equal(piece[r].view(torch.uint8), piece[0].view(torch.uint8)):
+                    continue
+                err = rel_err(piece[r], piece[0])
+                err = err if err > 0 else math.inf       # differ in bits only (NaN payload, -0.0)
+                if not detail or err > worst:
+                    worst = err
+                    detail = (f"{kind[:-1]} {n} differs between {g} ranks 0 and {r} (global ranks "
+                              f"{group.global_rank(0)} and {group.global_rank(r)}): "
+                              f"max rel diff {err:.2e}")
+    return [Row(step, f"replicas {kind}", worst, 0.0, detail)]
+
+
+# ---- planted errors: the verifier's own test (tests/test_verify.py; hidden option --plant) ----
+PLANTS = {
+    "replica-drift": "after finalize_grads, tp rank 1 halves its norm weights' gradients",
+    "weight-drift": "after the step, tp rank 1 moves final_norm.weight up by one float spacing",
+    "grad": "one gradient 1% off on every rank (default layers.0.mlp.fc1.weight)",
+    "update": "one tensor's update 1% too large on every rank (default layers.0.mlp.fc1.weight)",
+    "logit": "the largest logit 1% off (the compared copy)",
+}
+
+
+class Plant:
+    """`kind[:parameter]`, one of PLANTS: a deliberate error at one point of the step."""
+
+    def __init__(self, spec: str | None):
+        self.kind, _, target = (spec or "").partition(":")
+        if self.kind and self.kind not in PLANTS:
+            raise ValueError(f"unknown plant {self.kind!r}: choose one of {sorted(PLANTS)}")
+        defaults = {"replica-drift": "norm.weight", "weight-drift": "final_norm.weight"}
+        self.target = target or defaults.get(self.kind, "layers.0.mlp.fc1.weight")
+        self._before: torch.Tensor | None = None
+
+    def _params(self, model) -> list[torch.nn.Parameter]:
+        found = [p for n, p in model.named_parameters() if n.endswith(self.target)]
+        if not found:
+            raise ValueError(f"plant {self.kind}: no parameter named *{self.target}")
+        return found
+
+    def _on_rank_1(self, grid: Grid) -> bool:
+        if grid.tp.size < 2:
+            raise ValueError(f"plant {self.kind} drifts tp rank 1 from rank 0: needs tp >= 2")
+        return grid.tp.rank == 1
+
+    @torch.no_grad()
+    def grads(self, model, grid: Grid) -> None:
+        if self.kind == "replica-drift" and self._on_rank_1(grid):
+            for p in self._params(model):
+                p.grad.mul_(0.5)
+        elif self.kind == "grad":
+            for p in self._params(model):
+                p.grad.mul_(1.01)
+
+    @torch.no_grad()
+    def logits(self, full: torch.Tensor) -> torch.Tensor:
+        if self.kind != "logit":
+            return full
+        full = full.clone(memory_format=torch.contiguous_format)
+        i = full.abs().argmax()
+        full.view(-1)[i] *= 1.01
+        return full
+
+    def before_step(self, model) -> None:
+        if self.kind == "update":
+            self._before = self._params(model)[0].detach().clone()
+
+    @torch.no_grad()
+    def after_step(self, model, grid: Grid) -> None:
+        if self.kind == "update":
+            p = self._params(model)[0]
+            p.copy_(self._before + 1.01 * (p - self._before))
+        elif self.kind == "weight-drift" and self._on_rank_1(grid):
+            for p in self._params(model):
+                p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
