@@ -21,6 +21,18 @@ Which groups exist, and what travels in each:
             every TP rank holds different tokens, so dispatch spans both)
   mp        model-parallel ranks of one replica        (tp x pp: a global grad norm)
   embedding first and last pipeline stage              (tied embedding gradients)
+
+Where this differs from Megatron-Core (megatron/core/parallel_state.py): minitron builds
+every group, expert groups included, from the one "tp-cp-ep-dp-pp" layout above. Current
+Megatron-Core uses two rank generators: the dense one (tp-cp-dp-pp, ep = 1) and an expert
+one that folds cp away (tp = expert tp, cp = 1, ep, dp = world / (etp * ep * pp)). With
+cp = 1 or ep = 1 every group agrees; with cp > 1 and ep > 1 the expert groups differ. At
+tp=1, cp=2, ep=2 (4 ranks):
+  minitron        ep [[0, 2], [1, 3]]   expert grads (dp_cp) [[0, 1], [2, 3]]
+  Megatron-Core   ep [[0, 1], [2, 3]]   expert dp            [[0, 2], [1, 3]]
+(the cp groups agree: [[0, 1], [2, 3]]). Each is a valid layout; a rank that holds a given
+expert in one does not in the other, so expert checkpoints and rank maps do not carry over
+as they are. minitron also has no separate expert tensor-parallel size: experts use tp.
 """
 from __future__ import annotations
 
