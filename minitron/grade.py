@@ -1,0 +1,235 @@
+"""Grade exercise notebooks against their reference solutions.
+
+    python -m minitron.grade                          # every notebook in exercises/
+    python -m minitron.grade exercises/01_tensor_parallel_mlp.ipynb
+    python -m minitron.grade --stamp solutions/*.ipynb   # record this torch in the references
+
+What is run is the REFERENCE (solutions/NN_*.ipynb: every check cell and the outputs stored
+with it) with only its answer cells, those holding `# BEGIN SOLUTION`, taken from the learner's
+notebook, matched by cell id. So the learner's stored outputs, edits to check cells and extra
+cells cannot make a wrong answer pass; a notebook with cleared outputs is graded all the same.
+nbval runs the merged copy in a temporary folder (the kernel starts in the learner's folder);
+the learner's file is only read. The last lines say, per notebook, PASS or which check failed
+and why, in words. Exit status 1 if any notebook fails.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minitron import grade_report as report
+
+COURSE = Path(__file__).resolve().parent.parent
+ANSWER_MARK = "# BEGIN SOLUTION"
+MISSING_ANSWER = 'raise NotImplementedError("your notebook has no answer cell {id}: nothing to grade")\n'
+
+
+@dataclass
+class Grade:
+    """The verdict on one learner notebook."""
+    path: Path
+    notes: list[str] = field(default_factory=list)       # edited check cells, extra or missing cells
+    failures: list[report.Failure] = field(default_factory=list)
+    checked: int = 0                                       # cells whose output is compared
+    error: str = ""                                        # set when it could not be graded at all
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and not self.failures
+
+    @property
+    def summary(self) -> str:
+        if self.error:
+            return f"{self.path}: FAIL: {self.error}"
+        if self.passed:
+            return f"{self.path}: PASS ({self.checked} checked cells reproduce the reference)"
+        first, more = self.failures[0], len(self.failures) - 1
+        tail = f" ({more} later cell{'s fail' if more > 1 else ' fails'} too)" if more else ""
+        return f"{self.path}: FAIL at {first.where}: {first.reason}{tail}"
+
+
+def source(cell: dict) -> str:
+    text = cell.get("source", "")
+    return "".join(text) if isinstance(text, list) else text
+
+
+def is_answer_cell(cell: dict) -> bool:
+    return cell.get("cell_type") == "code" and any(
+        line.strip() == ANSWER_MARK for line in source(cell).splitlines())
+
+
+def merge(learner: dict, reference: dict) -> tuple[dict, list[str]]:
+    """The notebook to grade: the reference with its answer cells' sources from the learner.
+
+    Returns it and the notes to show the learner. An answer cell whose reference prints nothing
+    may print anything (its output is not compared); check cells are always the reference's.
+    """
+    names = report.cell_names(reference)
+    theirs = {c.get("id"): c for c in learner.get("cells", []) if c.get("id")}
+    graded, notes = copy.deepcopy(reference), []
+    for number, cell in enumerate(c for c in graded["cells"] if c["cell_type"] == "code"):
+        mine = theirs.get(cell.get("id"))
+        if is_answer_cell(cell):
+            cell.setdefault("metadata", {})["minitron_answer"] = True
+            if mine is None:
+                notes.append(f"your notebook has no answer cell {cell.get('id')} (the "
+                             f"{names[number].removeprefix('your ')}): graded as unsolved")
+                cell["source"] = MISSING_ANSWER.format(id=cell.get("id"))
+            else:
+                cell["source"] = source(mine)
+            if not cell.get("outputs"):
+                cell["metadata"]["tags"] = ["nbval-ignore-output"]
+        elif mine is not None and source(mine) != source(cell):
+            notes.append(f"you edited a check cell ({names[number]}, id {cell.get('id')}); "
+                         "the reference's is used")
+    known = {c.get("id") for c in reference["cells"]}
+    for cell in learner.get("cells", []):
+        if cell.get("cell_type") == "code" and cell.get("id") not in known and source(cell).strip():
+            first = source(cell).strip().splitlines()[0][:60]
+            notes.append(f"your cell {cell.get('id')} ({first!r}) is not part of the exercise: not run")
+    return graded, notes
+
+
+def reference_for(learner: Path, solutions: Path) -> Path | None:
+    same = solutions / learner.name
+    if same.exists():
+        return same
+    number = learner.name.split("_", 1)[0] + "_"
+    found = sorted(solutions.glob(number + "*.ipynb")) if number[:-1].isdigit() else []
+    return found[0] if len(found) == 1 else None
+
+
+def recorded_torch(reference: dict) -> str | None:
+    return reference.get("metadata", {}).get("minitron", {}).get("recorded_with", {}).get("torch")
+
+
+def torch_version() -> str:
+    import torch
+    return torch.__version__.split("+")[0]
+
+
+def stamp(path: Path, torch: str | None = None) -> None:
+    """Record in a reference notebook which torch its stored outputs were produced with."""
+    nb = json.loads(path.read_text())
+    nb.setdefault("metadata", {}).setdefault("minitron", {})["recorded_with"] = {
+        "torch": torch or torch_version()}
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def torch_line(references: dict[Path, dict]) -> str | None:
+    """One line when this torch differs from the one a reference was recorded with."""
+    mine = torch_version()
+    recorded = {v for v in (recorded_torch(nb) for nb in references.values()) if v}
+    other = sorted(v for v in recorded if v != mine)
+    if not other:
+        return None
+    return (f"note: you have torch {mine}; the reference outputs were recorded with torch "
+            f"{', '.join(other)}: a printed figure that depends on torch may differ from the "
+            "reference for a right answer (verdicts should not)")
+
+
+def _run_nbval(jobs: dict[Path, Path], workdir: Path, cell_timeout: int) -> tuple[dict, str]:
+    """Run nbval on the merged notebooks (path -> learner's folder); the plugin's record."""
+    (workdir / "pytest.ini").write_text("[pytest]\n")  # no configuration inherited from above
+    record = workdir / "record.json"
+    env = dict(os.environ, MINITRON_GRADE_RECORD=str(record), MINITRON_GRADE_CWD=json.dumps(
+        {str(p.parent): str(folder) for p, folder in jobs.items()}))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COURSE), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", "minitron.grade_plugin",
+           "-p", "no:cacheprovider", "-q", f"--nbval-cell-timeout={cell_timeout}", *map(str, jobs)]
+    done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
+    output = done.stdout + done.stderr
+    if not record.exists():
+        raise RuntimeError("nbval did not run:\n" + output[-3000:])
+    return json.loads(record.read_text()), output
+
+
+def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 600,
+          show=print, verbose: bool = False) -> list[Grade]:
+    """Grade each learner notebook; show() gets the notes, details and one summary line each."""
+    solutions = solutions or COURSE / "solutions"
+    grades, jobs, references = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="minitron-grade-") as tmp:
+        for k, path in enumerate(paths):
+            g = Grade(path)
+            grades.append(g)
+            ref_path = reference_for(path, solutions)
+            if ref_path is None:
+                g.error = f"no reference solution for it in {solutions}"
+                continue
+            try:
+                learner = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                g.error = f"could not read it as a notebook ({e})"
+                continue
+            reference = references[path] = json.loads(ref_path.read_text())
+            merged, g.notes = merge(learner, reference)
+            g.checked = report.checked_cells(merged)
+            target = Path(tmp) / str(k) / ref_path.name
+            target.parent.mkdir()
+            target.write_text(json.dumps(merged, indent=1, ensure_ascii=False))
+            jobs[target] = path.resolve().parent
+        line = torch_line(references)
+        if line:
+            show(line)
+        if jobs:
+            show(f"grading {', '.join(str(g.path) for g in grades if not g.error)} "
+                 "(every cell runs: this takes a while)")
+            records, output = _run_nbval(jobs, Path(tmp), cell_timeout)
+            if verbose:
+                show(output)
+            for g, (target, _) in zip((g for g in grades if not g.error), jobs.items()):
+                merged = json.loads(target.read_text())
+                g.failures = report.failures(merged, records.get(str(target), {}))
+                if not g.failures and len(records.get(str(target), {})) < report.code_cells(merged):
+                    g.error = "not every cell ran:\n" + output[-2000:]
+    for g in grades:
+        for line in g.notes + [d for f in g.failures[:1] for d in f.details()]:
+            show(f"{g.path}: {line}")
+    show("")
+    for g in grades:
+        show(g.summary)
+    return grades
+
+
+def _notebooks(args: list[str], default: Path) -> list[Path]:
+    paths = []
+    for arg in args or [str(default)]:
+        p = Path(arg)
+        paths += sorted(p.glob("*.ipynb")) if p.is_dir() else [p]
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minitron.grade", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*",
+                        help="notebooks or folders (default: exercises/, with --stamp solutions/)")
+    parser.add_argument("--solutions", type=Path, help="folder of reference solutions (default: solutions/)")
+    parser.add_argument("--cell-timeout", type=int, default=600, help="seconds per cell (default 600)")
+    parser.add_argument("--verbose", action="store_true", help="also show nbval's own output")
+    parser.add_argument("--stamp", action="store_true",
+                        help="record this torch version in the given reference notebooks, then stop")
+    parser.add_argument("--torch", help="with --stamp: the version to record (default: this torch)")
+    args = parser.parse_args(argv)
+    paths = _notebooks(args.paths, COURSE / ("solutions" if args.stamp else "exercises"))
+    if args.stamp:
+        for p in paths:
+            stamp(p, args.torch)
+            print(f"stamped {p}: recorded with torch {args.torch or torch_version()}")
+        return 0
+    if not paths:
+        parser.error("no notebooks to grade")
+    grades = grade(paths, args.solutions, args.cell_timeout, verbose=args.verbose)
+    return 0 if all(g.passed for g in grades) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

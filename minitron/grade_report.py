@@ -1,0 +1,216 @@
+"""Turn nbval's per-cell record into what a learner can act on (used by minitron.grade).
+
+Each failing code cell gets a name in words (the markdown heading above it and the function
+it defines, e.g. "Check 1 (check_ring_all_reduce)") and a reason: which exception, raised in
+which function, unwrapped from a rank's traceback or a Triton interpreter error; or the first
+output line that differs from the reference.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+STUB_MESSAGE = "your code here"
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+_DEF = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)", re.M)
+_CALLED_CHECK = re.compile(r"\b(check\w*)\s*\(")
+_NEW_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+_FRAME = re.compile(r'^\s*(?:File "[^"]*", line (\d+)|Cell In\[\d+\], line (\d+)|File \S+:(\d+)), in ([\w<>.]+)',
+                    re.M)
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): ?(.*)$")
+_WRAPPED = re.compile(r"""^([A-Za-z_]\w*)\((['"])(.*)\2\)$""", re.S)  # e.g. NotImplementedError('...')
+
+
+def _source(cell: dict) -> str:
+    text = cell.get("source", "")
+    return "".join(text) if isinstance(text, list) else text
+
+
+def _is_answer(cell: dict) -> bool:
+    """An answer cell of a reference, or of a graded copy (whose source is the learner's)."""
+    return cell.get("metadata", {}).get("minitron_answer", False) or any(
+        line.strip() == "# BEGIN SOLUTION" for line in _source(cell).splitlines())
+
+
+def code_cells(nb: dict) -> int:
+    return sum(c["cell_type"] == "code" for c in nb["cells"])
+
+
+def checked_cells(nb: dict) -> int:
+    """Cells whose stored output the grading compares: the reference's non-answer cells."""
+    return sum(c["cell_type"] == "code" and not _is_answer(c) and c.get("execution_count") is not None
+               and "NBVAL_IGNORE_OUTPUT" not in _source(c) and "NBVAL_SKIP" not in _source(c)
+               for c in nb["cells"])
+
+
+def cell_names(nb: dict) -> list[str]:
+    """A name in words for each code cell, in order (nbval's "Cell N" is the N-th code cell)."""
+    names, heading, part = [], "", "the notebook's start"
+    for cell in nb["cells"]:
+        text = _source(cell)
+        if cell["cell_type"] == "markdown":
+            found = [m.group(1) for m in map(_HEADING.match, text.splitlines()) if m]
+            if found:
+                heading = found[-1]
+                part = heading
+            continue
+        if cell["cell_type"] != "code":
+            continue
+        if _is_answer(cell):
+            names.append(f"your answer cell under '{part}'")
+            continue
+        defined = _DEF.findall(text)
+        checks = [n for n in defined if n.startswith("check")] or _CALLED_CHECK.findall(text) or defined
+        what = f" ({checks[0]})" if checks else ""
+        names.append(f"{heading}{what}" if "check" in heading.lower()
+                     else f"the cell under '{heading or part}'{what}")
+    return names
+
+
+def _definitions(text: str) -> list[tuple[str, int, int]]:
+    """(qualified name, first line, last line) of each function and class defined in a cell."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    found = []
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.append((prefix + child.name, child.lineno, child.end_lineno))
+                walk(child, prefix + child.name + ".")
+    walk(tree, "")
+    return found
+
+
+def learner_function(nb: dict, function: str, line: int) -> str:
+    """The learner's function that `function` (raising at `line`) is, qualified: e.g.
+    'Gather.forward' when two classes of the answer cells define a forward; '' if none is."""
+    short = function.rsplit(".", 1)[-1]
+    named = [d for c in nb["cells"] if c["cell_type"] == "code" and _is_answer(c)
+             for d in _definitions(_source(c)) if d[0].rsplit(".", 1)[-1] == short]
+    at_line = [name for name, first, last in named if first <= line <= last]
+    names = sorted(set(at_line or [name for name, _, _ in named]))
+    return " or ".join(names)
+
+
+class Raised(NamedTuple):
+    exception: str   # e.g. "NotImplementedError"
+    message: str
+    function: str    # the function it was raised in ("" if unknown)
+    line: int        # and the line, counted in that function's cell or file
+
+
+def root_exception(ename: str, evalue: str, traceback: list[str]) -> Raised:
+    """The exception that really went wrong, and where it was raised.
+
+    A rank's exception arrives as a RankError holding the rank's traceback; a Triton kernel's
+    as an InterpreterError raised `from` it: follow both to the original exception.
+    """
+    text = "\n".join(traceback) if traceback else f"{ename}: {evalue}"
+    starts = [m.start() for m in _NEW_TRACEBACK.finditer(text)]
+    blocks = [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+    i = len(blocks) - 1
+    while i > 0 and "direct cause of the following exception" in blocks[i - 1]:
+        i -= 1
+    name, message, where, line = ename, evalue, "", 0
+    if blocks:
+        block = blocks[i]
+        frames = list(_FRAME.finditer(block))
+        if frames:
+            where, line = frames[-1].group(4), int(next(filter(None, frames[-1].groups()[:3])))
+        after = block[frames[-1].end():] if frames else block
+        for text_line in after.splitlines()[1:] if frames else after.splitlines():
+            m = _EXCEPTION_LINE.match(text_line)
+            if m and not text_line.startswith((" ", "\t")):
+                name, message = m.group(1).rsplit(".", 1)[-1], m.group(2)
+                break
+    wrapped = _WRAPPED.match(message.strip())
+    if wrapped and wrapped.group(1).endswith(("Error", "Exception")):  # InterpreterError("X('...')")
+        name, message = wrapped.group(1), wrapped.group(3)
+    return Raised(name, message, where, line)
+
+
+def first_difference(expected: str, got: str) -> tuple[int, str, str]:
+    """(line number from 1, reference line, learner's line) of the first line that differs."""
+    want, have = expected.splitlines(), got.splitlines()
+    for k in range(max(len(want), len(have))):
+        a = want[k] if k < len(want) else "<nothing>"
+        b = have[k] if k < len(have) else "<nothing>"
+        if a != b:
+            return k + 1, a, b
+    return 0, "", ""
+
+
+def _short(line: str, width: int = 90) -> str:
+    line = " ".join(line.split())
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+@dataclass
+class Failure:
+    cell: int            # the code cell's number (nbval's "Cell N")
+    where: str           # the cell in words
+    kind: str            # "exception", "output" or "other"
+    exception: str = ""  # the root exception's name, e.g. NotImplementedError
+    message: str = ""
+    raised_in: str = ""  # the function it was raised in
+    yours: bool = False  # raised_in is one of the learner's functions
+    expected: str = ""   # first differing output line: the reference's
+    got: str = ""        # and the learner's
+    line: int = 0
+
+    @property
+    def stub(self) -> bool:
+        return self.exception == "NotImplementedError" and self.message == STUB_MESSAGE
+
+    @property
+    def reason(self) -> str:
+        if self.kind == "exception":
+            if self.stub:
+                who = f"your {self.raised_in}" if self.yours else "your code"
+                return f"{who} is not written yet (its stub raised NotImplementedError)"
+            who = f"your {self.raised_in} raised" if self.yours else "it raised"
+            return f"{who} {self.exception}: {_short(self.message, 120)}"
+        if self.kind == "output" and self.line:
+            return f"its output differs from the reference at line {self.line}: '{_short(self.got)}'"
+        if self.kind == "output":
+            return "its output differs from the reference (not in its text: a figure or a data type)"
+        return self.message
+
+    def details(self) -> list[str]:
+        if self.kind == "output":
+            return [f"{self.where}, output line {self.line}:",
+                    f"    yours:     {self.got}", f"    reference: {self.expected}"]
+        if self.kind == "exception":
+            place = f" in {self.raised_in}" if self.raised_in else ""
+            return [f"{self.where} raised {self.exception}{place}: {self.message}"]
+        return [f"{self.where}: {self.message}"]
+
+
+def failures(merged: dict, records: dict) -> list[Failure]:
+    """The failing cells of a graded notebook, in order, from the plugin's record."""
+    names = cell_names(merged)
+    found = []
+    for number in sorted(records, key=int):
+        r = records[number]
+        if r["outcome"] != "failed":
+            continue
+        where = names[int(number)] if int(number) < len(names) else f"cell {number}"
+        if r.get("message", "").startswith("Timeout"):
+            found.append(Failure(int(number), where, "other", message=f"it ran out of time ({r['message']})"))
+        elif "ename" in r:
+            raised = root_exception(r["ename"], r["evalue"], r.get("traceback", []))
+            yours = learner_function(merged, raised.function, raised.line)
+            found.append(Failure(int(number), where, "exception", raised.exception, raised.message,
+                                 yours or raised.function, bool(yours)))
+        elif r.get("message", "").startswith("Cell outputs differ"):
+            line, want, have = first_difference(r.get("expected", ""), r.get("got", ""))
+            found.append(Failure(int(number), where, "output", expected=want, got=have, line=line,
+                                 message="its output differs from the reference"))
+        else:
+            found.append(Failure(int(number), where, "other", message=r.get("message") or "failed"))
+    return found

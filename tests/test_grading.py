@@ -1,0 +1,243 @@
+"""`make grade` compares a learner's answers with the reference, whatever the learner's file holds.
+
+For every exercise, three learner notebooks are graded in one run of the grader:
+  planted   the solution's answers except one planted wrong answer (tests/planted/NN_*.py),
+            executed and saved WITH ITS OWN OUTPUTS, as JupyterLab's autosave leaves it;
+  solved    the solution's answers, outputs cleared, and one check cell edited so that it
+            would raise if it ran;
+  unsolved  the exercise as shipped, outputs cleared.
+against a copy of the solutions whose torch stamp is a version no one has. Solving an exercise
+reproduces its solution notebook exactly, so `solved` passing is also the solution's own nbval run.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from minitron import grade as grader
+from minitron.grade_report import root_exception
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NAMES = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
+PLANTED = ROOT / "tests" / "planted"
+OTHER_TORCH = "0.0.1"  # no one has it: the grader must say it differs
+
+
+def planted(name: str):
+    path = PLANTED / (pathlib.Path(name).stem + ".py")
+    spec = importlib.util.spec_from_file_location(f"planted_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def answer_ids(nb: dict) -> list[str]:
+    return [c["id"] for c in nb["cells"] if grader.is_answer_cell(c)]
+
+
+def cleared(nb: dict) -> dict:
+    nb = copy.deepcopy(nb)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    return nb
+
+
+def with_answers(exercise: dict, solution: dict, wrong: dict[str, str]) -> dict:
+    """The exercise with the solution's answer cells, except those `wrong` replaces."""
+    answers = {c["id"]: grader.source(c) for c in solution["cells"] if grader.is_answer_cell(c)}
+    nb = cleared(exercise)
+    for cell in nb["cells"]:
+        if cell.get("id") in answers:
+            cell["source"] = wrong.get(cell["id"], answers[cell["id"]])
+    return nb
+
+
+def first_check_cell(solution: dict) -> dict:
+    code = [c for c in solution["cells"] if c["cell_type"] == "code"]
+    first_answer = next(k for k, c in enumerate(code) if grader.is_answer_cell(c))
+    return next(c for c in code[first_answer:] if not grader.is_answer_cell(c))
+
+
+def save(nb: dict, path: pathlib.Path) -> pathlib.Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+def run_and_save(nb: dict, path: pathlib.Path) -> pathlib.Path:
+    """Execute top to bottom, errors allowed, and save with the outputs: a learner's Ctrl-S."""
+    node = nbformat.reads(json.dumps(nb), as_version=4)  # joins the sources split in lines
+    path.parent.mkdir(parents=True, exist_ok=True)
+    NotebookClient(node, timeout=600, allow_errors=True, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbformat.write(node, str(path))
+    return path
+
+
+def _grade_exercise(name: str, tmp: pathlib.Path) -> dict:
+    solution = json.loads((ROOT / "solutions" / name).read_text())
+    exercise = json.loads((ROOT / "exercises" / name).read_text())
+    missing = set(answer_ids(solution)) - {c.get("id") for c in exercise["cells"]}
+    assert not missing, (f"exercises/{name} lacks the answer cells {sorted(missing)} of solutions/{name}: "
+                         "run tools/make_exercises.py --force")
+    wrong = planted(name)
+    edited = first_check_cell(solution)
+    solved = with_answers(exercise, solution, {})
+    next(c for c in solved["cells"] if c.get("id") == edited["id"])["source"] = (
+        'raise RuntimeError("the learner\'s edited check cell ran")\n')
+    files = {
+        "planted": run_and_save(with_answers(exercise, solution, wrong.WRONG), tmp / "planted" / name),
+        "solved": save(solved, tmp / "solved" / name),
+        "unsolved": save(cleared(exercise), tmp / "unsolved" / name),
+    }
+    reference = save(solution, tmp / "solutions" / name)
+    grader.stamp(reference, OTHER_TORCH)
+    before = {k: p.read_bytes() for k, p in files.items()}
+    lines: list[str] = []
+    grades = grader.grade(list(files.values()), solutions=reference.parent, show=lines.append)
+    return dict(grades=dict(zip(files, grades)), lines=lines, files=files, before=before,
+                solution=solution, planted=wrong, edited=edited["id"])
+
+
+_cache: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    def get(name: str) -> dict:
+        if name not in _cache:
+            _cache[name] = _grade_exercise(name, tmp_path_factory.mktemp(pathlib.Path(name).stem))
+        return _cache[name]
+    return get
+
+
+def test_every_exercise_has_a_planted_wrong_answer():
+    assert NAMES, "no exercises found"
+    missing = [n for n in NAMES if not (PLANTED / (pathlib.Path(n).stem + ".py")).exists()]
+    assert not missing, f"no planted wrong answer for {missing}: add tests/planted/<name>.py " \
+                        "(format: tests/planted/README.md)"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_planted_answer_is_a_wrong_version_of_an_answer_cell(name):
+    solution = json.loads((ROOT / "solutions" / name).read_text())
+    answers = {c["id"]: grader.source(c) for c in solution["cells"] if grader.is_answer_cell(c)}
+    wrong = planted(name)
+    assert wrong.WRONG and isinstance(wrong.FAILS_AT, str) and wrong.FAILS_AT
+    for cell_id, text in wrong.WRONG.items():
+        assert cell_id in answers, f"tests/planted: {cell_id} is not an answer cell of solutions/{name}"
+        assert text != answers[cell_id], f"tests/planted: {cell_id} is the solution itself"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_wrong_answer_fails_at_its_check(name, graded):
+    run = graded(name)
+    g, fails_at = run["grades"]["planted"], run["planted"].FAILS_AT
+    assert not g.passed, "a saved wrong answer passes grading:\n" + "\n".join(run["lines"])
+    assert f"FAIL at {fails_at}" in g.summary, g.summary
+    assert not g.failures[0].stub, g.summary
+    assert g.summary in run["lines"]
+    # the premise: at that check the file holds the learner's own outputs (nbval alone compared
+    # the file with itself, and passed it)
+    n = g.failures[0].cell
+    saved = json.loads(run["files"]["planted"].read_text())
+    assert code_cells(saved)[n]["outputs"] != code_cells(run["solution"])[n]["outputs"]
+
+
+def code_cells(nb: dict) -> list[dict]:
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_answers_pass_whatever_the_check_cells_and_outputs(name, graded):
+    run = graded(name)
+    g = run["grades"]["solved"]
+    assert g.passed, "\n".join(run["lines"])
+    assert g.summary.endswith(f"PASS ({g.checked} checked cells reproduce the reference)") and g.checked
+    edited = [n for n in g.notes if n.startswith("you edited a check cell")]
+    assert len(edited) == 1 and f"id {run['edited']}" in edited[0] and "the reference's is used" in edited[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unsolved_exercise_fails_on_its_stub(name, graded):
+    run = graded(name)
+    g = run["grades"]["unsolved"]
+    assert not g.passed
+    first = g.failures[0]
+    assert first.kind == "exception" and (first.exception, first.message) == (
+        "NotImplementedError", "your code here"), g.summary
+    assert first.yours, f"the stub raised in {first.raised_in!r}, not in a function of an answer cell"
+    assert "is not written yet (its stub raised NotImplementedError)" in g.summary
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cleared_outputs_do_not_change_what_is_graded(name, graded):
+    run = graded(name)
+    saved = json.loads(run["files"]["planted"].read_text())
+    assert any(c.get("outputs") for c in saved["cells"])
+    assert grader.merge(saved, run["solution"]) == grader.merge(cleared(saved), run["solution"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_learner_files_are_not_touched(name, graded):
+    run = graded(name)
+    assert {k: p.read_bytes() for k, p in run["files"].items()} == run["before"]
+    assert sorted(p.name for p in run["files"]["planted"].parent.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_another_torch_is_said_once_before_the_results(name, graded):
+    lines = graded(name)["lines"]
+    said = [k for k, line in enumerate(lines) if f"recorded with torch {OTHER_TORCH}" in line]
+    assert said == [0], lines
+
+
+def test_every_solution_records_its_torch_version():
+    unstamped = [n for n in NAMES if not grader.recorded_torch(json.loads((ROOT / "solutions" / n).read_text()))]
+    assert not unstamped, (f"{unstamped} do not record the torch their outputs were made with: after "
+                           "re-executing, run python -m minitron.grade --stamp solutions/*.ipynb")
+
+
+# --- the reasons in words, on tracebacks as nbval records them ------------------------------
+
+RANK_ERROR = """RankError: rank 0 raised:
+Traceback (most recent call last):
+  File "/work/main/minitron/launch.py", line 178, in _child_main
+    payload = ("ok", fn(*args, **kwargs))
+  File "/tmp/ipykernel_1/2.py", line 3, in ring_all_reduce
+    raise NotImplementedError("your code here")
+NotImplementedError: your code here
+
+The other ranks were stopped while doing:
+  rank 1: running"""
+
+TRITON = ["NotImplementedError                       Traceback (most recent call last)",
+          "File /x/triton/runtime/interpreter.py:1511, in GridExecutor.__call__(self)\n-> 1511  self.fn(**args)\n",
+          "Cell In[1], line 3, in rmsnorm_fwd(X, W)\n----> 3     raise NotImplementedError(\"your code here\")\n",
+          "NotImplementedError: your code here",
+          "\nThe above exception was the direct cause of the following exception:\n",
+          "InterpreterError                          Traceback (most recent call last)",
+          "Cell In[1], line 13\n---> 13 y, rstd = check(x, w)\n",
+          "InterpreterError: NotImplementedError('your code here')"]
+
+
+@pytest.mark.parametrize("ename, evalue, tb, expected", [
+    ("RankError", "rank 0 raised: ...", ["RankError  Traceback (most recent call last)", RANK_ERROR],
+     ("NotImplementedError", "your code here", "ring_all_reduce", 3)),
+    ("InterpreterError", "NotImplementedError('your code here')", TRITON,
+     ("NotImplementedError", "your code here", "rmsnorm_fwd", 3)),
+    ("SyntaxError", "incomplete input (1.py, line 2)", ["  Cell In[1], line 2\n    def f(\n", "SyntaxError: x"],
+     ("SyntaxError", "incomplete input (1.py, line 2)", "", 0)),
+    ("ValueError", "shapes differ", ["ValueError  Traceback (most recent call last)",
+                                     "Cell In[2], line 4, in check(a)\n      4 raise ValueError('x')\n",
+                                     "ValueError: shapes differ"], ("ValueError", "shapes differ", "check", 4)),
+])
+def test_root_exception_is_found_through_ranks_and_triton(ename, evalue, tb, expected):
+    assert root_exception(ename, evalue, tb) == expected
