@@ -30,9 +30,10 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # Grade your exercises: `make grade` for all, `make grade NB=exercises/01_tensor_parallel_mlp.ipynb` for one.
+# Your answer cells run inside the reference solution, against its checks and stored outputs.
 NB ?= exercises
 grade: setup
-	$(BIN)/python -m pytest --nbval -p no:cacheprovider $(NB)
+	$(BIN)/python -m minitron.grade $(NB)
 
 verify-all: setup
 	$(BIN)/python -m minitron.verify --tp 2 --steps 3
