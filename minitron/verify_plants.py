@@ -1,0 +1,76 @@
+"""Deliberate errors for testing the verifier: tests/test_verify.py, and the hidden option
+`python -m minitron.verify --plant KIND[:parameter]` (a repro from the command line).
+
+Each plant breaks one thing at one point of a step and should be caught by exactly one kind of
+row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
+tensor's update, or in one logit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .grid import Grid
+
+PLANTS = {
+    "replica-drift": "after finalize_grads, tp rank 1 halves its norm weights' gradients",
+    "weight-drift": "after the step, tp rank 1 moves final_norm.weight up by one float spacing",
+    "grad": "one gradient 1% off on every rank (default layers.0.mlp.fc1.weight)",
+    "update": "one tensor's update 1% too large on every rank (default layers.0.mlp.fc1.weight)",
+    "logit": "the largest logit 1% off (the compared copy)",
+}
+
+
+class Plant:
+    """`kind[:parameter]`, one of PLANTS: a deliberate error at one point of the step."""
+
+    def __init__(self, spec: str | None):
+        self.kind, _, target = (spec or "").partition(":")
+        if self.kind and self.kind not in PLANTS:
+            raise ValueError(f"unknown plant {self.kind!r}: choose one of {sorted(PLANTS)}")
+        defaults = {"replica-drift": "norm.weight", "weight-drift": "final_norm.weight"}
+        self.target = target or defaults.get(self.kind, "layers.0.mlp.fc1.weight")
+        self._before: torch.Tensor | None = None
+
+    def _params(self, model) -> list[torch.nn.Parameter]:
+        found = [p for n, p in model.named_parameters() if n.endswith(self.target)]
+        if not found:
+            raise ValueError(f"plant {self.kind}: no parameter named *{self.target}")
+        return found
+
+    def _on_rank_1(self, grid: Grid) -> bool:
+        if grid.tp.size < 2:
+            raise ValueError(f"plant {self.kind} drifts tp rank 1 from rank 0: needs tp >= 2")
+        return grid.tp.rank == 1
+
+    @torch.no_grad()
+    def grads(self, model, grid: Grid) -> None:
+        if self.kind == "replica-drift" and self._on_rank_1(grid):
+            for p in self._params(model):
+                p.grad.mul_(0.5)
+        elif self.kind == "grad":
+            for p in self._params(model):
+                p.grad.mul_(1.01)
+
+    @torch.no_grad()
+    def logits(self, full: torch.Tensor) -> torch.Tensor:
+        if self.kind != "logit":
+            return full
+        full = full.clone(memory_format=torch.contiguous_format)
+        i = full.abs().argmax()
+        full.view(-1)[i] *= 1.01
+        return full
+
+    def before_step(self, model) -> None:
+        if self.kind == "update":
+            self._before = self._params(model)[0].detach().clone()
+
+    @torch.no_grad()
+    def after_step(self, model, grid: Grid) -> None:
+        if self.kind == "update":
+            p = self._params(model)[0]
+            p.copy_(self._before + 1.01 * (p - self._before))
+        elif self.kind == "weight-drift" and self._on_rank_1(grid):
+            for p in self._params(model):
+                p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
