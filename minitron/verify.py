@@ -131,7 +131,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
              seq: int | None = None, plant: str | None = None) -> list[Row] | None:
     """The body every rank runs; rank 0 also runs the reference and returns the rows.
 
-    `plant` (tests only, see verify_checks.PLANTS) puts a deliberate error into the run."""
+    `plant` (tests only, see verify_plants.PLANTS) puts a deliberate error into the run."""
     grid = build_grid(pcfg)
     lead, seq, planted = grid.rank == 0, seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
@@ -248,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
                         "activations, loss) and FusedAdamW; on CPU ranks through the Triton "
                         "interpreter (TRITON_INTERPRET=1, set here; a few seconds at the default shape)")
-    r.add_argument("--plant", default=None, help=argparse.SUPPRESS)   # tests: verify_checks.PLANTS
+    r.add_argument("--plant", default=None, help=argparse.SUPPRESS)   # tests: verify_plants.PLANTS
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--hidden", type=int, default=64)
