@@ -6,6 +6,8 @@ seed + 2718 + tp_rank, dropout on replicated activations from one seeded `seed`.
 masks expected here are regenerated from that rule alone, draw by draw, and compared with
 what each rank of a real ParallelGPT drew in a training step.
 """
+import math
+
 import pytest
 import torch
 
@@ -97,7 +99,7 @@ def _record_step(mode: str, sp: bool, plant: bool = False):
 def test_per_rank_masks_follow_megatrons_rule(run_ranks, sp):
     ranks = run_ranks(_record_step, "per_rank", sp, world_size=TP)
     assert megatron_violations(ranks, _cfg("per_rank"), sp, STEP_SEED) == []
-    assert all(r["loss"] == r["loss"] for r in ranks)            # it trained: a finite loss
+    assert all(math.isfinite(r["loss"]) for r in ranks)         # the step ran to a finite loss
     # Replicated activations got identical masks, so replicated weights stay replicas.
     for name, grad in ranks[0]["replicated_grads"].items():
         assert torch.equal(grad, ranks[1]["replicated_grads"][name]), name
