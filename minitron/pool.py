@@ -6,9 +6,11 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import threading
 import traceback
 from typing import Any, Callable
 
+from .deadline import Deadline, heartbeat
 from .launch import (DEFAULT_TIMEOUT, RankError, _check_can_fork, _enter_rank, _exit_reason,
                      _free_port, dumps_for_parent, _init, _pick_backend, _raise_if_a_peer_died, _Rank)
 
@@ -55,12 +57,16 @@ class WorkerPool:
         raised is reported, not a peer left waiting for it in a collective. A rank's death
         shows on its process sentinel (the other ranks hold copies of its pipe)."""
         pending, replies = set(self.ranks), {}
+        deadline = Deadline(self.ranks, self.timeout)   # as launch's: no progress, no patience
         while pending:
             waits = {obj: r for r in pending for obj in (r.parent_conn, r.process.sentinel)}
-            ready = mp.connection.wait(list(waits), self.timeout + 30)
-            if not ready:
+            ready = mp.connection.wait(list(waits), 1.0)
+            if ready:
+                deadline.progress()
+            elif deadline.passed():
                 stuck = "; ".join(f"rank {r.rank}: {r.doing()}" for r in sorted(pending, key=lambda r: r.rank))
-                raise RankError(f"no answer within {self.timeout + 30:.0f} s from {stuck}")
+                raise RankError(f"no rank communicated or computed for {deadline.limit:.0f} s "
+                                f"({deadline.rule(self.timeout)}): {stuck}")
             for r in sorted({waits[obj] for obj in ready}, key=lambda r: r.rank):
                 pending.discard(r)
                 try:
@@ -83,8 +89,11 @@ class WorkerPool:
         self.ranks = []
 
 
-def _pool_main(rank, world_size, port, backend, timeout, conn, status, parent_pid):
-    publish = _enter_rank(rank, world_size, port, status, parent_pid)
+def _pool_main(rank, world_size, port, backend, timeout, conn, status, progress, log_fd,
+               parent_pid):
+    # Output is not captured: pytest captures it per test (log_fd is None: pool ranks have none).
+    publish = _enter_rank(rank, world_size, port, status, progress, parent_pid)
+    threading.Thread(target=heartbeat, args=(progress,), daemon=True).start()
     _init(backend, rank, world_size, timeout)
     while True:
         publish("waiting for a job")

@@ -2,15 +2,18 @@
 import os
 import subprocess
 import sys
+import contextlib
+import logging
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import minitron
-from minitron import comm
+from minitron import comm, deadline
 from minitron.comm import Group
 
 SHORT = 3  # seconds: the collective timeout for the failure tests
@@ -64,12 +67,95 @@ def test_results_in_rank_order():
     assert minitron.launch(_rank_times_ten, 5, world_size=4, timeout=30) == [5, 15, 25, 35]
 
 
-def test_output_echoed_in_rank_order(capfd):
+def test_output_echoed_in_rank_order(capfd, monkeypatch):
+    minitron.launch(_print_late_first, world_size=3, timeout=30)
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [f"[rank {r}] hello from {r}" for r in range(3)]
+    assert err == ""   # a successful run's stderr is not echoed (see the next tests)
+    monkeypatch.setenv("MINITRON_SHOW_STDERR", "1")   # unless asked for
     minitron.launch(_print_late_first, world_size=3, timeout=30)
     out, err = capfd.readouterr()
     assert out.splitlines() == [f"[rank {r}] hello from {r}" for r in range(3)]
     assert [line for line in err.splitlines() if "second line" in line] == \
         [f"[rank {r}] second line" for r in range(3)]
+
+
+def _warn_then(fail_on_rank):
+    """Every way a rank's stderr fills up behind its back, then a print; one rank may raise."""
+    warnings.warn("planted python warning", UserWarning)
+    logging.getLogger("tests.planted").warning("planted logging warning")
+    os.write(2, b"planted native line on fd 2\n")   # what gloo's and NCCL's C++ logs do
+    os.write(1, b"planted native line on fd 1\n")
+    print(f"result {dist.get_rank()}")
+    if dist.get_rank() == fail_on_rank:
+        raise KeyError("planted failure after the warnings")
+    return dist.get_rank()
+
+
+NOISE = ("planted python warning", "planted logging warning", "planted native line on fd 2",
+         "planted native line on fd 1")
+
+
+@contextlib.contextmanager
+def notebook_cell(tmp_path, capfd):
+    """A notebook cell's two streams: sys.stdout and sys.stderr are ipykernel streams there,
+    which forward what a forked child writes to them into the cell. Files do the same here.
+    Like torch at import, a library logger holds a handler on the cell's stderr.
+    Yields read() -> (stdout, stderr) of the cell, descriptor-level writes included."""
+    paths = {name: tmp_path / name for name in ("stdout", "stderr")}
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (open(paths[name], "w", buffering=1) for name in ("stdout", "stderr"))
+    logger = logging.getLogger("tests.planted")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    logger.propagate = False
+
+    def read():
+        fd_out, fd_err = capfd.readouterr()
+        return paths["stdout"].read_text() + fd_out, paths["stderr"].read_text() + fd_err
+    try:
+        yield read
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+        sys.stdout.close(), sys.stderr.close()
+        sys.stdout, sys.stderr = saved
+
+
+def test_warnings_of_a_successful_run_stay_out_of_its_output(tmp_path, capfd):
+    """nbval compares a cell's stderr: a library's warning must not fail every launch cell."""
+    with notebook_cell(tmp_path, capfd) as cell:
+        assert minitron.launch(_warn_then, None, world_size=2, timeout=30) == [0, 1]
+    out, err = cell()
+    assert out.splitlines() == ["[rank 0] result 0", "[rank 1] result 1"]
+    assert err == ""
+
+
+def test_a_failed_run_shows_the_warnings_and_the_traceback(tmp_path, capfd):
+    with notebook_cell(tmp_path, capfd) as cell, pytest.raises(minitron.RankError) as info:
+        minitron.launch(_warn_then, 1, world_size=2, timeout=SHORT)
+    assert "rank 1 raised" in str(info.value) and "planted failure after the warnings" in str(info.value)
+    out, err = cell()
+    assert "[rank 1] result 1" in out.splitlines()
+    for rank in (0, 1) if "[rank 0] result 0" in out else (1,):   # rank 0 may not have replied
+        for noise in NOISE:
+            assert any(line.startswith(f"[rank {rank}] ") and noise in line
+                       for line in err.splitlines()), (rank, noise, err)
+
+
+def _say_then_die_on_rank_1():
+    if dist.get_rank() == 1:
+        os.write(2, b"last words before dying\n")
+        sys.stderr.write("and a python line, unflushed\n")   # sys.stderr is line-buffered
+        os._exit(7)
+    time.sleep(30)
+
+
+def test_a_dead_rank_leaves_what_it_wrote(capfd):
+    with pytest.raises(minitron.RankError, match="rank 1 died with exit code 7"):
+        minitron.launch(_say_then_die_on_rank_1, world_size=2, timeout=SHORT)
+    err = capfd.readouterr().err.splitlines()
+    assert "[rank 1] last words before dying" in err and "[rank 1] and a python line, unflushed" in err
 
 
 def test_rank_that_raises():
@@ -96,6 +182,71 @@ def test_stuck_collective_names_rank_and_operation(fn):
     assert time.monotonic() - start < 20
     msg = str(info.value)
     assert "rank 0" in msg and "all_reduce" in msg, msg
+
+
+# ---- the run's deadline: no progress for `timeout` seconds (plus a grace) ----------------------
+def _sleep_on(sleepers, seconds):
+    if dist.get_rank() in sleepers:
+        time.sleep(seconds)   # blocked outside any collective: no CPU, no communication
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("sleepers,finished", [((0, 1), ""), ((1,), "ranks [0] finished; ")],
+                         ids=["all", "one"])
+def test_ranks_hung_outside_a_collective_are_stopped(sleepers, finished):
+    start = time.monotonic()
+    with pytest.raises(minitron.RankError) as info:
+        minitron.launch(_sleep_on, sleepers, 25, world_size=2, timeout=2)
+    assert time.monotonic() - start < 15    # 4 s (2 + the grace of 2) and the start-up
+    expected = (f"no rank communicated or computed for 4 s (timeout=2 s and a grace; pass timeout= "
+                f"or set MINITRON_TIMEOUT): {finished}these were still running:\n"
+                + "\n".join(f"  rank {r}: running" for r in sleepers))
+    assert str(info.value) == expected
+
+
+def test_worker_pool_job_hung_outside_a_collective_is_stopped():
+    pool = minitron.WorkerPool(2, timeout=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(minitron.RankError, match="no rank communicated or computed for 4 s "
+                           r"\(timeout=2 s and a grace.*: rank 1: running$"):
+            pool.run(_sleep_on, (1,), 25)
+        assert time.monotonic() - start < 15
+    finally:
+        pool.close()
+
+
+def _compute_or_sleep(seconds):
+    """Rank 0 computes, rank 1 sleeps: the run is making progress."""
+    end = time.monotonic() + seconds
+    while dist.get_rank() == 0 and time.monotonic() < end:
+        sum(i * i for i in range(10_000))
+    time.sleep(max(0.0, end - time.monotonic()))
+    return dist.get_rank()
+
+
+def _communicate_slowly(seconds):
+    """Both ranks mostly sleep, but meet in a collective every 0.5 s: progress too."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.5)
+        comm.all_reduce(torch.ones(1), _world())
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("fn,ignored", [(_compute_or_sleep, "cpu"), (_communicate_slowly, "status")],
+                         ids=["computing", "communicating"])
+def test_a_long_run_that_progresses_is_not_cut_short(fn, ignored, monkeypatch):
+    """Twice the deadline (3 s at timeout=1) without a hang; the test of the test: with the
+    kind of progress it relies on ignored, the same run is stopped."""
+    assert minitron.launch(fn, 5, world_size=2, timeout=1) == [0, 1]
+    if ignored == "cpu":
+        monkeypatch.setattr(deadline, "_BUSY", float("inf"))
+    else:
+        monkeypatch.setattr(deadline.Deadline, "_sample",
+                            lambda self: [(0.0, r.progress[1]) for r in self.ranks])
+    with pytest.raises(minitron.RankError, match="no rank communicated or computed for 3 s"):
+        minitron.launch(fn, 5, world_size=2, timeout=1)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2"])
@@ -255,3 +406,36 @@ def test_results_come_back_as_cpu_tensors():
     if torch.cuda.device_count() > 0:   # a CUDA tensor is moved, not sent as CUDA
         moved = pickle.loads(dumps_for_parent(torch.ones(2, device="cuda")))
         assert moved.device.type == "cpu"
+
+
+NOTEBOOK_CELLS = ['''
+import logging, os, warnings
+import torch.distributed as dist
+import minitron
+
+def work(fail_on_rank):
+    warnings.warn("planted python warning")
+    logging.getLogger("torch.distributed.planted").warning("planted torch log line")
+    os.write(2, b"planted native line\\n")
+    print("result", dist.get_rank())
+    if dist.get_rank() == fail_on_rank:
+        raise KeyError("planted failure")
+''', "minitron.launch(work, None, world_size=2, timeout=30);",
+    "minitron.launch(work, 1, world_size=2, timeout=30);"]
+
+
+def test_in_a_real_notebook_only_a_failed_cell_has_stderr():
+    """What nbval grades: the cell's streams in a Jupyter kernel (torch's logging handler holds
+    the kernel's stderr there, and ipykernel forwards what forked ranks write to it)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK_CELLS])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    _, ok, failed = ([(o.get("name", o.output_type), o.get("text", "") + "".join(o.get("traceback", [])))
+                      for o in c.outputs] for c in nb.cells)
+    assert ok == [("stdout", "[rank 0] result 0\n[rank 1] result 1\n")]
+    streams = dict(failed[:-1])
+    assert failed[-1][0] == "error" and "planted failure" in failed[-1][1]
+    for noise in ("planted python warning", "planted torch log line", "planted native line"):
+        assert any(line.startswith("[rank 1] ") and noise in line
+                   for line in streams["stderr"].splitlines()), (noise, streams)
