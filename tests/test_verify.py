@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-from minitron import verify
-from minitron.grid import ParallelConfig
-from minitron.model import GPT, ModelConfig
-from minitron.model.convert import grads_state_dict
+from minitron import comm, verify
+from minitron.grid import ParallelConfig, build_grid
+from minitron.model import GPT, ModelConfig, ParallelGPT
+from minitron.model.convert import grads_state_dict, rules
 from minitron.testing import rel_err
 from minitron.verify import Report, Row, make_batch, reference_step, run_rank
-from minitron.verify_checks import C_SUM, EPS32, grad_rows, longest_sum
+from minitron.verify_checks import C_SUM, EPS32, grad_rows, longest_sum, replica_rows
 
 SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
 LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
@@ -67,6 +67,25 @@ def test_one_ulp_weight_drift_on_rank_1_fails(run_ranks):
     assert [r.quantity for r in report.failures] == ["replicas weights"]
     assert ("worst: step 0 replicas weights: weight final_norm.weight differs between tp ranks 0 "
             "and 1 (global ranks 0 and 1): max rel diff 1.19e-07") in report.verdict()
+
+
+def _replica_traffic(tp):
+    cfg = ModelConfig(**SMALL)
+    model = ParallelGPT(cfg, build_grid(ParallelConfig(tp=tp)))
+    with comm.counting() as c:
+        row, = replica_rows(0, "weights", model.state_dict(), cfg, model.grid)
+    return c.as_dict(), row.err
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_replica_check_is_one_counted_all_gather(run_ranks, tp):
+    """Every tensor not split along tp (rules' dim None), all-gathered once: tp copies of each."""
+    whole = sum(GPT(ModelConfig(**SMALL)).state_dict()[r.parts[0]].numel()
+                for r in rules(ModelConfig(**SMALL)) if r.dim is None)
+    for traffic, err in run_ranks(_replica_traffic, tp, world_size=tp):
+        assert err == 0.0
+        assert {k: (v["calls"], v["bytes"]) for k, v in traffic.items()} == {
+            "tp/all_gather": (1, tp * whole * 4)}
 
 
 # ---- a 1% error in one tensor is caught, and nothing else is blamed -----------------------------
