@@ -11,7 +11,7 @@ both sides:
     tol = C * sqrt(K) * eps32,   C = 4            (default model: K = 256, tol = 7.6e-6)
 
 C is measured, not guessed (tests/test_verify.py). In units of sqrt(K) * eps32, the float32
-reference's own error against a float64 reference of the same weights stays below 0.45 on
+reference's own error against a float64 reference of the same weights is at most 0.45 on
 the shapes tried, and so does a correct split's error against the float32 reference (tp 1 to
 8, SP, GQA, RMSNorm/SwiGLU/RoPE, dropout, the fused kernels): a split is as accurate as one
 device. C = 4 leaves a margin of 8 or more over that, while a 1% error anywhere is 1000 times
