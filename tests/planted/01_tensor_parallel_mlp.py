@@ -1,38 +1,47 @@
-"""Planted wrong answer for exercises/01_tensor_parallel_mlp.ipynb (provisional, written against
-the solution of 30 Nov 2026): the row-parallel layer adds its bias before the all-reduce, so the
-bias is summed t times. Check 1 (the operators) still passes; Check 2 compares the MLP's output
-with one device at t = 2 and 4."""
+"""Planted wrong answer for exercises/01_tensor_parallel_mlp.ipynb: f (CopyToTP) all-reduces in
+the forward pass as well as in the backward, as if "copy to the tensor-parallel region" meant
+"make the ranks agree". Every rank already holds the same X, so the forward multiplies it by t.
+It runs without an error; Check 1's forward verdict and forward collective count catch it."""
 
-_SOLVED_COLUMN_AND_ROW = '''class ColumnLinear(nn.Module):
-    "y_i = x A_i + a_i on rank i: a block of the output features of `full`."
+WRONG = {
+    "cb02463a": '''class CopyToTP(torch.autograd.Function):
+    "f: identity forward; backward sums the gradients of all ranks."
 
-    def __init__(self, full: nn.Linear, group: comm.Group, gather_output: bool = False):
-        super().__init__()
-        self.group, self.gather_output = group, gather_output
-        t, i = group.size, group.rank
-        self.weight = nn.Parameter(full.weight.detach().chunk(t, dim=0)[i].clone())
-        self.bias = nn.Parameter(full.bias.detach().chunk(t, dim=0)[i].clone())
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce(x.clone(), group)  # wrong: f's forward is the identity
 
-    def forward(self, x):
-        y = F.linear(CopyToTP.apply(x, self.group), self.weight, self.bias)
-        return GatherFromTP.apply(y, self.group) if self.gather_output else y
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.clone(), ctx.group), None
 
 
-class RowLinear(nn.Module):
-    "y = sum_i x_i B_i + b: rank i multiplies its block of the input features; b is added once."
+class ReduceFromTP(torch.autograd.Function):
+    "g: forward sums over the ranks; identity backward."
 
-    def __init__(self, full: nn.Linear, group: comm.Group):
-        super().__init__()
-        self.group = group
-        t, i = group.size, group.rank
-        self.weight = nn.Parameter(full.weight.detach().chunk(t, dim=1)[i].clone())
-        self.bias = nn.Parameter(full.bias.detach().clone())
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x.clone(), group)
 
-    def forward(self, x):
-        # wrong: every rank adds the bias, and the all-reduce then sums t copies of it
-        return ReduceFromTP.apply(F.linear(x, self.weight, self.bias), self.group)
-'''
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
-WRONG = {"f26fbb7d": _SOLVED_COLUMN_AND_ROW}
 
-FAILS_AT = "Check 2"
+class GatherFromTP(torch.autograd.Function):
+    "Forward: concatenate every rank's tensor along the last dimension. Backward: its adjoint."
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        return grad.chunk(group.size, dim=-1)[group.rank].contiguous(), None
+''',
+}
+
+FAILS_AT = "Check 1"

@@ -1,19 +1,32 @@
-"""Planted wrong answer for exercises/10_triton_kernels.ipynb (provisional, written against the
-solution of 30 Nov 2026): the mean of squares divides by the padded block BLOCK_N instead of the
-row length N. Right whenever N is a power of two, wrong for Check 1's 97-element rows."""
+"""Planted wrong answer for exercises/10_triton_kernels.ipynb: the online softmax of the lesson's
+kernel, transcribed without the guard for a query that has seen no visible key yet. In the
+natural order every causal row sees key 0 first and the result is right; in the reversed and
+shuffled orders the first block is fully masked for some queries, m stays -inf, and
+exp(-inf - (-inf)) = NaN spreads through those rows. The Triton kernels of Part 1 are the
+solution's, so Check 3 is the first check that fails."""
 
 WRONG = {
-    "b2d5eb57": '''@triton.jit
-def rmsnorm_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / BLOCK_N + eps)   # wrong: the padded length
-    tl.store(RSTD + row, rstd)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    "1c5465b9": '''def attention_by_key_blocks(q, k, v, causal: bool, order, block_n: int):
+    "Returns (o, lse): attention over the key blocks in `order`, one block at a time."
+    s, d = q.shape[-2], q.shape[-1]
+    qf = q.float() / math.sqrt(d)
+    m = torch.full(q.shape[:-1], -math.inf)
+    l = torch.zeros(q.shape[:-1])
+    acc = torch.zeros(q.shape, dtype=torch.float32)
+    rows = torch.arange(s)[:, None]
+    for blk in order:
+        lo, hi = blk * block_n, min((blk + 1) * block_n, k.shape[-2])
+        scores = qf @ k[..., lo:hi, :].float().transpose(-1, -2)
+        if causal:
+            scores = scores.masked_fill(torch.arange(lo, hi)[None, :] > rows, -math.inf)
+        m_new = torch.maximum(m, scores.amax(-1))
+        alpha = torch.exp(m - m_new)             # NaN while m and m_new are both -inf
+        p = torch.exp(scores - m_new[..., None])
+        l = alpha * l + p.sum(-1)
+        acc = alpha[..., None] * acc + p @ v[..., lo:hi, :].float()
+        m = m_new
+    return (acc / l[..., None]).to(q.dtype), m + torch.log(l)
 ''',
 }
 
-FAILS_AT = "Check 1"
+FAILS_AT = "Check 3"
