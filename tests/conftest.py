@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import minitron
+# MINITRON_STRICT=1 (.ci/run): a skip fails unless this machine cannot run the test.
+from strict_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 
 def _import_triton_for_this_machine():
