@@ -13,7 +13,8 @@ Memory-bound rows count the *least* bytes the op must move (each input read
 once, each output written once); attention counts matmul FLOPs (causal: half).
 pct_of_ceiling is achieved / ceiling; vs_eager and vs_compile are speedups
 (> 1: the kernel is faster). max_rel_err compares the kernel with the eager
-output, a last sanity check of each kernel at full size.
+output (the AdamW step: its update of the weights and both moments, from the
+same state), a last sanity check of each kernel at full size.
 
 On a machine without CUDA it says so and runs nothing: CPU timings of the
 interpreter would measure nothing meaningful.
@@ -57,6 +58,11 @@ def measure_ceilings(device, smoke=False):
 def _inputs(*shapes, dtype, device, grad=False):
     return [torch.randn(s, dtype=dtype, device=device).requires_grad_(grad) for s in shapes]
 
+
+NOTHING_TO_MEASURE = (
+    "minitron.kernels.bench: no CUDA GPU here (or TRITON_INTERPRET=1), so there is nothing "
+    "meaningful to measure: CPU timings of interpreted kernels say nothing about GPU speed. "
+    "Nothing was run.")
 
 SIZES = {  # Llama-3-8B-like: hidden 4096, ffn 14336, vocab 128256, 8192 tokens a step
     "attention": [(2, 4096, 32, 8, 128), (4, 2048, 16, 16, 64)],  # b, s, hq, hkv, d
@@ -114,13 +120,27 @@ def cases(device, quick, sizes):
 
 
 def adamw_case(device, n):
+    """(step, its error against the fallback, bytes a step moves)."""
     p, m, v = (torch.randn(n, device=device) for _ in range(3))
     v.abs_()
     g = torch.randn(n, device=device, dtype=torch.bfloat16)
     model = torch.empty(n, device=device, dtype=torch.bfloat16)
     hp = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10, model_param=model)
-    step = lambda: ops.fused_adamw_step(p, g, m, v, **hp)  # noqa: E731
-    return step, n * (4 + 4 + 2 + 4 + 4 + 4 + 4 + 2)  # p r/w, g, m r/w, v r/w, model copy
+
+    def step(state=(p, m, v)):
+        ops.fused_adamw_step(state[0], g, state[1], state[2], **hp)
+        return state
+
+    def error():
+        """One kernel step and one fallback step from the same state. The weights move by
+        about lr, so their error is that of the update (new - old), at the update's scale."""
+        kernel = step(tuple(t.clone() for t in (p, m, v)))
+        with ops.use_triton(False):
+            ref = step(tuple(t.clone() for t in (p, m, v)))
+        return max(_rel_err(kernel[0] - p, ref[0] - p), _rel_err(kernel[1], ref[1]),
+                   _rel_err(kernel[2], ref[2]))
+
+    return step, error, n * (4 + 4 + 2 + 4 + 4 + 4 + 4 + 2)  # p r/w, g, m r/w, v r/w, model copy
 
 
 def _rel_err(a, b):
@@ -174,9 +194,7 @@ def run(args=None):
         args = _parser().parse_args([] if args is None else list(args))
     smoke = args.smoke and ops.available()
     if not smoke and (not torch.cuda.is_available() or ops.interpreting()):
-        print("minitron.kernels.bench: no CUDA GPU here (or TRITON_INTERPRET=1), so there is nothing "
-              "meaningful to measure: CPU timings of interpreted kernels say nothing about GPU speed. "
-              "Nothing was run.")
+        print(NOTHING_TO_MEASURE)
         return 0
     start = time.time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,7 +220,8 @@ def run(args=None):
     del todo
     _free()
     if not args.only or "fused_adamw_step" in args.only:
-        step, nbytes = adamw_case(device, sizes["adamw"])
+        step, error, nbytes = adamw_case(device, sizes["adamw"])
+        err = error()
         t = _bench(step)
         with ops.use_triton(False):
             te = _bench(step)
@@ -210,7 +229,7 @@ def run(args=None):
             if not args.no_compile and time.time() - start < 0.75 * args.budget_s:
                 tc = _bench(torch.compile(step, dynamic=False))
         rows.append(_row("fused_adamw_step", "step", f"{sizes['adamw']} params, bf16 grads", torch.float32, t, te,
-                         tc, nbytes, "GB/s", ceilings, "ops fallback (AdamW single-tensor ops)", 0.0))
+                         tc, nbytes, "GB/s", ceilings, "ops fallback (AdamW single-tensor ops)", err))
         _print(rows[-1:])
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
