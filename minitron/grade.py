@@ -141,15 +141,16 @@ def _run_nbval(jobs: dict[Path, Path], workdir: Path, cell_timeout: int) -> tupl
     (workdir / "pytest.ini").write_text("[pytest]\n")  # no configuration inherited from above
     record = workdir / "record.json"
     env = dict(os.environ, MINITRON_GRADE_RECORD=str(record), MINITRON_GRADE_CWD=json.dumps(
-        {str(p.parent): str(folder) for p, folder in jobs.items()}))
+        {str(p.parent.resolve()): str(folder) for p, folder in jobs.items()}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COURSE), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", "minitron.grade_plugin",
            "-p", "no:cacheprovider", "-q", f"--nbval-cell-timeout={cell_timeout}", *map(str, jobs)]
     done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
     output = done.stdout + done.stderr
     if not record.exists():
-        raise RuntimeError("nbval did not run:\n" + output[-3000:])
-    return json.loads(record.read_text()), output
+        raise RuntimeError("nbval did not run (is it installed? `make setup` installs it):\n"
+                           + output[-3000:])
+    return {str(Path(k).resolve()): v for k, v in json.loads(record.read_text()).items()}, output
 
 
 def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 600,
@@ -165,13 +166,12 @@ def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 
             if ref_path is None:
                 g.error = f"no reference solution for it in {solutions}"
                 continue
+            reference = references[path] = json.loads(ref_path.read_text())
             try:
-                learner = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
+                merged, g.notes = merge(json.loads(path.read_text()), reference)
+            except (OSError, ValueError, AttributeError, TypeError) as e:
                 g.error = f"could not read it as a notebook ({e})"
                 continue
-            reference = references[path] = json.loads(ref_path.read_text())
-            merged, g.notes = merge(learner, reference)
             g.checked = report.checked_cells(merged)
             target = Path(tmp) / str(k) / ref_path.name
             target.parent.mkdir()
@@ -187,10 +187,10 @@ def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 
             if verbose:
                 show(output)
             for g, (target, _) in zip((g for g in grades if not g.error), jobs.items()):
-                merged = json.loads(target.read_text())
-                g.failures = report.failures(merged, records.get(str(target), {}))
-                if not g.failures and len(records.get(str(target), {})) < report.code_cells(merged):
-                    g.error = "not every cell ran:\n" + output[-2000:]
+                merged, cells = json.loads(target.read_text()), records.get(str(target.resolve()), {})
+                g.failures = report.failures(merged, cells)
+                if not g.failures and len(cells) < report.code_cells(merged):
+                    g.error = "not every cell ran (nbval's output follows):\n" + output[-2000:]
     for g in grades:
         for line in g.notes + [d for f in g.failures[:1] for d in f.details()]:
             show(f"{g.path}: {line}")

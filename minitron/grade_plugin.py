@@ -31,7 +31,7 @@ _records: dict[str, dict[int, dict]] = {}
 
 
 def _learner_folder(cwd: str) -> str:
-    return json.loads(os.environ.get("MINITRON_GRADE_CWD", "{}")).get(cwd, cwd)
+    return json.loads(os.environ.get("MINITRON_GRADE_CWD", "{}")).get(os.path.realpath(cwd), cwd)
 
 
 if _nbval is not None and hasattr(_nbval, "RunningKernel"):
