@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os

@@ -10,8 +10,11 @@ triton and each kernel module are first imported. So, as in tests/test_kernels.p
 imported here with TRITON_INTERPRET set (no GPU) and the variable removed again: the rest of the
 suite, and the pool workers forked from pytest, run torch on the CPU. Each worker task here sets
 it while it runs (ops reads it on every call) and restores it. Shapes are tiny: the interpreter
-is slow. On a machine with a GPU, triton is imported compiled, so the checks whose ranks must run
-on the CPU (more ranks than GPUs) are skipped there; TRITON_INTERPRET=1 pytest ... runs them.
+is slow. The test pool's ranks are gloo ranks on the CPU on every machine (tests/conftest.py), so
+the model checks always need the interpreter. On a machine with a GPU this process imports triton
+compiled, and the interpreter cannot run in it or in the ranks it forks: there the checks are
+skipped in this process and run by test_cpu_rank_checks_in_a_process_without_gpus, which runs this
+file again in a process that sees no GPU (strict, so that nothing in it may skip).
 """
 import contextlib
 import os
@@ -62,10 +65,15 @@ def _configs(name):
     return ParallelConfig(tp=tp, sequence_parallel=sp), ModelConfig(**{**BASE, **opts})
 
 
-def _skip_unless_runnable(world_size):
-    """CPU ranks (gloo: fewer GPUs than ranks) need this process's triton to be interpreted."""
-    if world_size <= torch.cuda.device_count():
-        return
+NO_GPU_RUN = "run in a process that sees no GPU, by test_cpu_rank_checks_in_a_process_without_gpus"
+
+
+def _skip_unless_cpu_ranks_can_run():
+    """The pool's ranks run on the CPU (gloo) even where there are GPUs: the kernels need this
+    process's triton to be interpreted, which it can be only on a machine without a GPU."""
+    if torch.cuda.device_count() > 0 and not INTERPRET:
+        pytest.skip(f"this process imported triton compiled for its GPU, and the pool's ranks run on "
+                    f"the CPU: {NO_GPU_RUN}")
     os.environ["TRITON_INTERPRET"] = "1"   # what the worker will set, for the check only
     try:
         problem = kernels_problem(torch.device("cpu"))
@@ -131,7 +139,7 @@ def _compare_worker(name, bug=None):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_reference(run_ranks, name):
     pcfg, mcfg = _configs(name)
-    _skip_unless_runnable(pcfg.tp)
+    _skip_unless_cpu_ranks_can_run()
     results = run_ranks(_compare_worker, name, world_size=pcfg.tp)
     rows = results[0][0]
     bad = [f"step {r.step} {r.quantity}: {r.err:.2e} > {r.tol:.0e}" for r in rows if not r.ok]
@@ -149,7 +157,7 @@ def test_matches_reference(run_ranks, name):
     ("not causal", "tp2-sp-layernorm-gelu-bias", "logits"),
 ])
 def test_planted_bug_is_caught(run_ranks, bug, name, caught):
-    _skip_unless_runnable(2)
+    _skip_unless_cpu_ranks_can_run()
     rows = run_ranks(_compare_worker, name, bug, world_size=2)[0][0]
     row = {r.quantity: r for r in rows if r.step == 0}[caught]
     assert not row.ok and row.err > 100 * row.tol, f"{bug}: {caught} still matched ({row.err:.2e})"
@@ -175,7 +183,7 @@ def _ce_worker():
 
 
 def test_fused_vocab_parallel_cross_entropy(run_ranks):
-    _skip_unless_runnable(2)
+    _skip_unless_cpu_ranks_can_run()
     n = 3 * 5
     for out, used in run_ranks(_ce_worker, world_size=2):
         assert used == ["vocab_parallel_cross_entropy"]
@@ -201,7 +209,7 @@ def _errors_worker():
 
 
 def test_bad_kernel_setups_fail_at_construction(run_ranks):
-    _skip_unless_runnable(2)
+    _skip_unless_cpu_ranks_can_run()
     msgs, device = run_ranks(_errors_worker, world_size=2)[0]
     if device == "cpu":
         assert "cpu tensors need a CUDA device or Triton's interpreter: set TRITON_INTERPRET=1 " \
@@ -295,3 +303,14 @@ def test_cli_kernels_rejects_float64(capsys):
     from minitron import verify
     assert verify.main(["--tp", "2", "--kernels", "--dtype", "float64"]) == 2
     assert "use --dtype float32" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() == 0 or INTERPRET,
+                    reason="needs a GPU (without one, the pool's checks run in this process)")
+def test_cpu_rank_checks_in_a_process_without_gpus():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MINITRON_STRICT": "1"}
+    env.pop("TRITON_INTERPRET", None)     # tests/conftest.py sets it, seeing no GPU
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "not without_gpus"], capture_output=True, text=True, timeout=1800, env=env)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-2000:]
