@@ -108,46 +108,47 @@ def test_stored_source_listings_are_the_current_source(path):
 
 
 # ---- the test of the test -------------------------------------------------------------------
-LESSON_01 = ROOT / "lessons" / "01_tensor_parallel_mlp.ipynb"
-
-
-def _lesson_01_listing_cells(nb):
-    cells = [c for c in nb["cells"] if c["cell_type"] == "code" and "getsource" in _code(c)]
-    assert cells, "lesson 01 has no source listing left to plant a stale one in"
-    return cells
+def _notebook_listing(expr: str = "mappings._Copy") -> dict:
+    """A two-cell notebook as nbconvert stores it: an import cell and a fresh listing of `expr`."""
+    from minitron.tensor_parallel import mappings
+    stored = inspect.getsource(eval(expr, {"mappings": mappings})) + "\n"
+    code = lambda src, outputs: {"cell_type": "code", "id": "c", "source": [src], "outputs": outputs}
+    return {"cells": [
+        code("import inspect\nfrom minitron.tensor_parallel import mappings\n", []),
+        code(f"print(inspect.getsource({expr}))\n",
+             [{"output_type": "stream", "name": "stdout", "text": stored.splitlines(keepends=True)}]),
+    ]}
 
 
 def test_a_planted_stale_listing_is_caught():
-    nb = json.loads(LESSON_01.read_text())
-    assert listing_problems(nb, "lesson 01") == []
-    cell = _lesson_01_listing_cells(nb)[0]
-    out = next(o for o in cell["outputs"] if o["output_type"] == "stream")
+    nb = _notebook_listing()
+    assert listing_problems(nb, "lesson") == []
+    cell = nb["cells"][1]
+    out = cell["outputs"][0]
     text = "".join(out["text"])
     # The listing as it was before the code changed: one `return` line edited since it was stored.
     old_line = next(ln for ln in text.splitlines() if ln.strip().startswith("return "))
     planted = old_line.replace("return ", "return None if ctx is None else ", 1)
     out["text"] = text.replace(old_line, planted, 1)
-    problems = listing_problems(nb, "lesson 01")
+    problems = listing_problems(nb, "lesson")
     assert len(problems) == 1, problems
     assert "is stale" in problems[0] and "re-execute the notebook" in problems[0]
     assert f"-{planted}" in problems[0] and f"+{old_line}" in problems[0], problems[0]
     # A listing cell without stored output shows nothing stale: accepted.
     cell["outputs"] = []
-    assert listing_problems(nb, "lesson 01") == []
+    assert listing_problems(nb, "lesson") == []
 
 
 def test_a_listing_outside_the_convention_is_reported():
-    nb = json.loads(LESSON_01.read_text())
-    cell = _lesson_01_listing_cells(nb)[0]
-    cell["source"] = ["print(inspect.getsource(mappings._Copy)[:200])\n"]
-    problems = listing_problems(nb, "lesson 01")
+    nb = _notebook_listing()
+    nb["cells"][1]["source"] = ["print(inspect.getsource(mappings._Copy)[:200])\n"]
+    problems = listing_problems(nb, "lesson")
     assert len(problems) == 1 and "cannot verify" in problems[0], problems
 
 
 def test_a_listing_of_a_name_the_imports_do_not_reach_is_reported():
-    nb = json.loads(LESSON_01.read_text())
-    cell = _lesson_01_listing_cells(nb)[0]
-    cell["source"] = ["print(inspect.getsource(defined_in_a_cell))\n"]
-    problems = listing_problems(nb, "lesson 01")
+    nb = _notebook_listing()
+    nb["cells"][1]["source"] = ["print(inspect.getsource(defined_in_a_cell))\n"]
+    problems = listing_problems(nb, "lesson")
     assert len(problems) == 1 and "`defined_in_a_cell`" in problems[0], problems
     assert "NameError" in problems[0]
