@@ -1,4 +1,6 @@
-"""Vocab-parallel cross entropy against F.cross_entropy: per-token loss, gradient, bytes."""
+"""Vocab-parallel cross entropy against F.cross_entropy: per-token loss, gradient, bytes;
+the plain and the fused (kernels) public losses alike on ignored and out-of-range targets
+and at large logits."""
 import types
 
 import pytest
@@ -10,7 +12,8 @@ from minitron import comm
 from minitron.comm import single_group
 from minitron.grid import ParallelConfig, build_grid
 from minitron.tensor_parallel import cross_entropy as ce
-from minitron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from minitron.tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
+                                                     vocab_parallel_cross_entropy)
 from minitron.testing import rel_err
 
 B, S, V = 2, 8, 64
@@ -106,3 +109,61 @@ def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="targets' shape"):
         vocab_parallel_cross_entropy(torch.zeros(2, 3, 8), torch.zeros(2, 4, dtype=torch.long),
                                      single_group())
+
+
+LOSSES = {"plain": vocab_parallel_cross_entropy, "fused": fused_vocab_parallel_cross_entropy}
+
+
+def _run_against_torch(name, offset=0.0, ignore_every=0):
+    """Both public losses on this rank's shard against F.cross_entropy in float64, with every
+    ignore_every-th target -100 (0: none): the mean over the kept tokens, the per-token losses,
+    the gathered gradient of that mean."""
+    group = build_grid(ParallelConfig(tp=dist.get_world_size())).tp
+    logits, targets, _ = _problem()
+    logits = logits - 100 + offset  # _problem's logits sit near 100
+    if ignore_every:
+        targets.view(-1)[::ignore_every] = -100
+    kept = targets != -100
+    x = logits.double().requires_grad_()
+    ref_losses = F.cross_entropy(x.view(-1, V), targets.view(-1), reduction="none").view(B, S)
+    ref = F.cross_entropy(x.view(-1, V), targets.view(-1))   # ignore_index=-100, mean over the rest
+    ref.backward()
+    shard = logits.chunk(group.size, -1)[group.rank].clone().requires_grad_()
+    losses = LOSSES[name](shard, targets, group)
+    loss = losses.sum() / kept.sum()
+    loss.backward()
+    grad = comm.all_gather(shard.grad, group, dim=-1)
+    return {"mean": rel_err(loss, ref), "losses": rel_err(losses, ref_losses),
+            "grad": rel_err(grad, x.grad), "ignored_losses": losses[~kept].abs().sum().item(),
+            "ignored_grad": grad[~kept].abs().sum().item(), "n_ignored": int((~kept).sum())}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_ignored_targets_as_torch_does(run_ranks, name):
+    """-100 (torch's ignore_index): loss 0 and no gradient for that token, in both losses;
+    the mean over the other tokens is F.cross_entropy's."""
+    for res in run_ranks(_run_against_torch, name, 0.0, 3, world_size=2):
+        assert res["n_ignored"] == 6 and res["ignored_losses"] == 0 and res["ignored_grad"] == 0, res
+        assert res["mean"] <= TOL_LOSS and res["losses"] <= TOL_LOSS and res["grad"] <= TOL_GRAD, res
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e2, 1e4])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_large_logits_keep_float32_accuracy(run_ranks, name, offset):
+    """The same softmax shifted by 1e4: both losses work relative to the max, so their
+    errors stay those of float32 at the size of the losses and probabilities themselves."""
+    for res in run_ranks(_run_against_torch, name, offset, 0, world_size=2):
+        assert res["losses"] <= 2e-7 and res["grad"] <= 6e-7, res
+
+
+@pytest.mark.parametrize("target", [-1, -101, V, V + 5])
+def test_targets_outside_the_vocabulary_are_rejected_alike(target):
+    logits, targets, _ = _problem()
+    targets[1, 3] = target
+    messages = []
+    for fn in LOSSES.values():
+        with pytest.raises(ValueError, match=rf"targets must be in \[0, {V}\) or ignore_index \(-100\); "
+                                             rf"got {target}") as err:
+            fn(logits.clone().requires_grad_(), targets, single_group())
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]

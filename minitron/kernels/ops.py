@@ -188,10 +188,26 @@ def flash_attention(q, k, v, causal=True, scale=None, return_lse=False):
 
 
 # --------------------------------------------------------------------------- cross entropy
+# Large logits: with x ~ 1e4 a float32 lse = max + log(sum) is off by up to half an ulp of 1e4
+# (5e-4), and so would be lse - x_target and exp(x - lse). So lse is never formed: every path
+# keeps the max M and works with x - M (computed once, at the scale of the differences) and
+# log S, S = sum_j exp(x_j - M): loss = log S - (x_target - M), dloss/dx_j = exp(x_j - M - log S).
+def check_targets(targets, vocab_size, ignore_index=-100):
+    """ValueError unless every target is a class in [0, vocab_size) or ignore_index."""
+    if targets.is_floating_point() or targets.is_complex():
+        raise ValueError(f"targets must be integer class ids, got {targets.dtype}")
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    if bad.any():
+        first = targets[bad][0].item()
+        raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index ({ignore_index}); "
+                         f"got {first} ({int(bad.sum())} out of range): fix the data or the vocabulary size")
+
+
 def cross_entropy(logits, targets, ignore_index=-100):
     """Mean over non-ignored tokens of -log softmax(logits)[target], like F.cross_entropy."""
     logits2 = logits.reshape(-1, logits.shape[-1])
     targets1 = targets.reshape(-1)
+    check_targets(targets1, logits2.shape[-1], ignore_index)
     if _triton_path(logits):
         from .cross_entropy import CrossEntropyFn
         losses = CrossEntropyFn.apply(logits2, targets1, 0, None, None, ignore_index)
@@ -221,8 +237,8 @@ def merge_vocab_parallel_partials(partials, targets=None, ignore_index=-100):
     maxes = torch.stack([p[0] for p in partials])
     global_max = maxes.max(0).values
     sumexp = sum(p[1] * torch.exp(p[0] - global_max) for p in partials)
-    target_logit = sum(p[2] for p in partials)
-    loss = global_max + torch.log(sumexp) - target_logit
+    target_logit = sum(p[2] for p in partials)   # one shard's value plus zeros: exact
+    loss = torch.log(sumexp) - (target_logit - global_max)
     if targets is not None:
         loss = torch.where(targets == ignore_index, torch.zeros_like(loss), loss)
     return loss
@@ -234,7 +250,8 @@ def vocab_parallel_cross_entropy(logits_shard, targets, vocab_start,
 
     group_allreduce_max(t) / group_allreduce_sum(t) all-reduce t in place over
     the tensor-parallel group (identity lambdas on one rank with the full
-    vocab). Ignored tokens get loss 0 and no gradient."""
+    vocab). Ignored tokens get loss 0 and no gradient. Targets are not checked
+    here (a shard does not know the vocabulary's size): callers use check_targets."""
     if _triton_path(logits_shard):
         from .cross_entropy import CrossEntropyFn
         return CrossEntropyFn.apply(logits_shard, targets, vocab_start,
@@ -243,14 +260,18 @@ def vocab_parallel_cross_entropy(logits_shard, targets, vocab_start,
                                        group_allreduce_max, group_allreduce_sum, ignore_index)
 
 
-def global_lse_and_target(row_max, sumexp, target_logit, allreduce_max, allreduce_sum):
-    """The two collectives of vocab-parallel cross entropy, shared by both paths:
-    all ranks agree on the max first, so that sum-exps can be added safely."""
+def global_softmax_stats(row_max, sumexp, target_logit, allreduce_max, allreduce_sum):
+    """The two collectives of vocab-parallel cross entropy, shared by both paths.
+
+    From each shard's (row max, sum of exp at that max, target logit or 0) to the global
+    (M, log S, x_target - M), S = sum_j exp(x_j - M). All ranks agree on M first, so that
+    the sums of exp can be rescaled to it and added; the target logits are added raw
+    (one rank's value plus zeros: exact) and shifted by M only then."""
     global_max = row_max.clone()
     allreduce_max(global_max)
     stats = torch.stack([sumexp * torch.exp(row_max - global_max), target_logit])
     allreduce_sum(stats)
-    return global_max + torch.log(stats[0]), stats[1]
+    return global_max, torch.log(stats[0]), stats[1] - global_max
 
 
 class _VocabParallelCETorch(torch.autograd.Function):
@@ -258,16 +279,16 @@ class _VocabParallelCETorch(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, allreduce_max, allreduce_sum, ignore_index):
         with use_triton(False):
             m, s, t = vocab_parallel_ce_partials(logits, targets, vocab_start, ignore_index)
-        lse, target_logit = global_lse_and_target(m, s, t, allreduce_max, allreduce_sum)
+        global_max, log_sum, target_shifted = global_softmax_stats(m, s, t, allreduce_max, allreduce_sum)
         ignored = targets == ignore_index
-        ctx.save_for_backward(logits, targets, lse, ignored)
+        ctx.save_for_backward(logits, targets, global_max, log_sum, ignored)
         ctx.vocab_start = vocab_start
-        return torch.where(ignored, torch.zeros_like(lse), lse - target_logit)
+        return torch.where(ignored, torch.zeros_like(log_sum), log_sum - target_shifted)
 
     @staticmethod
     def backward(ctx, dloss):
-        logits, targets, lse, ignored = ctx.saved_tensors
-        grad = torch.exp(_wide(logits) - lse[:, None])
+        logits, targets, global_max, log_sum, ignored = ctx.saved_tensors
+        grad = torch.exp(_wide(logits) - global_max[:, None] - log_sum[:, None])
         local = targets - ctx.vocab_start
         mine = (local >= 0) & (local < logits.shape[-1]) & ~ignored
         rows = torch.nonzero(mine)[:, 0]

@@ -25,6 +25,11 @@ softmax of this rank's columns is exp(x_j - m) / S, where m and S are already
 global. Each rank writes the gradient of its own shard, scaled by the incoming
 gradient of the loss.
 
+Ignored tokens. A target equal to ignore_index (-100, as in torch) gets loss 0 and no
+gradient, in both functions below; the mean over the other tokens is then what
+F.cross_entropy(..., ignore_index=-100) returns. Any other target outside [0, V) is a
+ValueError, in both functions alike, before any communication.
+
 Everything is computed in float32 whatever the logits' dtype (half precision loses
 the small probabilities); the gradient is returned in the logits' dtype.
 """
@@ -39,7 +44,7 @@ from ..kernels import ops   # imports no triton until a kernel first runs
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: Group):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: Group, ignore_index: int):
         x = logits.float()
         v_local = x.shape[-1]
         vocab_start = group.rank * v_local
@@ -51,7 +56,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         # 2. the target logit: this rank's value if it owns the target, else 0; sum
         local = targets - vocab_start
-        mine = (local >= 0) & (local < v_local)
+        ignored = targets == ignore_index
+        mine = (local >= 0) & (local < v_local) & ~ignored
         local = local.masked_fill(~mine, 0)
         target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~mine, 0.0).contiguous()
@@ -62,38 +68,44 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         comm.all_reduce(sum_exp, group, op="sum")
 
-        loss = sum_exp.log() - target_logit
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))  # what backward needs, already normalised
-        ctx.save_for_backward(softmax, local, mine)
+        ctx.save_for_backward(softmax, local, mine, ignored)
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local, mine = ctx.saved_tensors
+        softmax, local, mine, ignored = ctx.saved_tensors
         grad = softmax.clone()
         # subtract the one-hot only where this rank owns the target column
         onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1),
                                                  mine.unsqueeze(-1).to(grad.dtype))
-        grad.sub_(onehot).mul_(grad_loss.float().unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        grad.sub_(onehot).mul_(grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor,
-                                 group: Group) -> torch.Tensor:
-    """Per-token loss (float32, shape of `targets`) from this rank's logits shard [..., V/tp].
-
-    `targets` holds global vocabulary ids in [0, V). Every rank gets the same losses.
-    Take `.mean()` (or a masked mean) of the result for the training loss.
-    """
+def _check(logits_shard: torch.Tensor, targets: torch.Tensor, group: Group, ignore_index: int):
     if logits_shard.shape[:-1] != targets.shape:
         raise ValueError(f"logits shard {tuple(logits_shard.shape)} must be targets' shape "
                          f"{tuple(targets.shape)} plus a vocabulary dimension")
-    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group)
+    ops.check_targets(targets, logits_shard.shape[-1] * group.size, ignore_index)
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor,
+                                 group: Group, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss (float32, shape of `targets`) from this rank's logits shard [..., V/tp].
+
+    `targets` holds global vocabulary ids in [0, V), or ignore_index for a token that has no
+    loss (it gets 0 and no gradient). Every rank gets the same losses. Take `.mean()` of the
+    result for the training loss, or with ignored tokens the mean over the others.
+    """
+    _check(logits_shard, targets, group, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group, ignore_index)
 
 
 def fused_vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor,
-                                       group: Group) -> torch.Tensor:
+                                       group: Group, ignore_index: int = -100) -> torch.Tensor:
     """The same per-token losses through minitron.kernels (Triton; see kernels/cross_entropy.py).
 
     One kernel reads each row of the shard once for its max, sum of exp and target logit, and
@@ -101,11 +113,10 @@ def fused_vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torc
     takes three: the max of N floats, then the sum of exp and the target logit stacked into one
     all-reduce of 2N floats. The same 3N floats cross the wire, in one call fewer.
     """
-    if logits_shard.shape[:-1] != targets.shape:
-        raise ValueError(f"logits shard {tuple(logits_shard.shape)} must be targets' shape "
-                         f"{tuple(targets.shape)} plus a vocabulary dimension")
+    _check(logits_shard, targets, group, ignore_index)
     v_local = logits_shard.shape[-1]
     losses = ops.vocab_parallel_cross_entropy(
         logits_shard.reshape(-1, v_local), targets.reshape(-1), group.rank * v_local,
-        lambda t: comm.all_reduce(t, group, op="max"), lambda t: comm.all_reduce(t, group, op="sum"))
+        lambda t: comm.all_reduce(t, group, op="max"), lambda t: comm.all_reduce(t, group, op="sum"),
+        ignore_index)
     return losses.view(targets.shape)
