@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_configs import CONFIGS
 from .ops import alloc, interpreting
 
 LOG2E = 1.4426950408889634
@@ -31,8 +32,9 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, offs_d, lo,
                PREC: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kt_ptrs = K + offs_n[None, :] * stride_kn + offs_d[:, None]  # k loaded transposed: [D, N]
-        v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :]
+        rows = offs_n.to(tl.int64)  # key * stride passes 2**31 at s = 512K, 32 heads of 128 ([b, s, h, d])
+        kt_ptrs = K + rows[None, :] * stride_kn + offs_d[:, None]  # k loaded transposed: [D, N]
+        v_ptrs = V + rows[:, None] * stride_vn + offs_d[None, :]
         if EVEN_N:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
@@ -66,10 +68,13 @@ def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob,
     hk = h // GROUP  # grouped-query attention: this head's kv head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    Q += b.to(tl.int64) * sqb + h * sqh
-    K += b.to(tl.int64) * skb + hk * skh
-    V += b.to(tl.int64) * svb + hk * svh
-    q = tl.load(Q + offs_m[:, None] * sqm + offs_d[None, :], mask=offs_m[:, None] < sq, other=0.0)
+    # 64-bit offsets wherever a product can pass 2**31 (32 heads x 512K x 128 does): head or
+    # batch times its stride, query index times the row stride
+    b64, h64, hk64, rows = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), offs_m.to(tl.int64)
+    Q += b64 * sqb + h64 * sqh
+    K += b64 * skb + hk64 * skh
+    V += b64 * svb + hk64 * svh
+    q = tl.load(Q + rows[:, None] * sqm + offs_d[None, :], mask=offs_m[:, None] < sq, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -86,8 +91,8 @@ def _attn_fwd(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob,
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, offs_d, diag, end, sk,
                                qk_scale, True, EVEN_N, BLOCK_N, PREC)
     row_ok = offs_m < sq
-    O += b.to(tl.int64) * sob + h * soh
-    tl.store(O + offs_m[:, None] * som + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
+    O += b64 * sob + h64 * soh
+    tl.store(O + rows[:, None] * som + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=row_ok[:, None])
     lse = (m_i + tl.log2(l_i)) / 1.4426950408889634  # back to natural log
     tl.store(LSE + bh.to(tl.int64) * sq + offs_m, lse, mask=row_ok)
@@ -221,35 +226,65 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, HQ, HKV, GROUP, sq, sk, sm_scale, 
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _configs(pairs):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
-
-
-# GPU block sizes, picked by autotune once per shape; the interpreter uses 16 x 16.
-# Constraints: forward and dQ need BLOCK_M % BLOCK_N == 0, dK/dV BLOCK_N % BLOCK_M == 0.
-# Chosen so that most compile for sm_90 (triton 3.6 and 3.9) at head dims 64 and 128
-# without register spills (ptxas -v); dK/dV keeps two [BLOCK_N, d] fp32 accumulators
-# and the dQ kernel K and V blocks, hence their small blocks.
+# The GPU runs the tile autotune picks, per shape, from the lists of attention_configs.py;
+# the interpreter one small tile (autotuning there would run every tile, slowly); tests may
+# force others with `tiles`.
+_KERNELS = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
 _KEY = ["sq", "sk", "HEAD_DIM", "CAUSAL"]
-_fwd_tuned = triton.autotune(_configs([(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-                                       (128, 32, 8, 4), (64, 32, 4, 4)]), key=_KEY)(_attn_fwd)
-_dkdv_tuned = triton.autotune(_configs([(16, 64, 8, 3), (16, 32, 8, 3), (32, 32, 4, 3),
-                                        (32, 64, 8, 3), (32, 128, 8, 2)]), key=_KEY)(_attn_bwd_dkdv)
-_dq_tuned = triton.autotune(_configs([(64, 32, 8, 3), (128, 32, 8, 2), (32, 32, 4, 3),
-                                      (64, 64, 8, 3)]), key=_KEY)(_attn_bwd_dq)
+_TUNED = {key: triton.autotune([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                                for m, n, w, s in table], key=_KEY)(_KERNELS[key[0]])
+          for key, table in CONFIGS.items()}
+_fwd_tuned = _TUNED["fwd", "16bit"]  # lesson 10 shows the tile it picked for its bf16 run
+INTERPRETER_TILE = (16, 16)
+_FORCED = {}      # kernel -> (BLOCK_M, BLOCK_N) inside a `tiles` block
+last_launch = {}  # kernel -> BLOCK_M, BLOCK_N and EVEN_N of its latest launch: what tests check
 
-def _launch(plain, tuned, grid, *args, **kwargs):
-    if interpreting():  # autotuning would run every config, slowly: one small config
-        small = {"BLOCK_M": 16, "BLOCK_N": 16}
-        plain[grid(small)](*args, **kwargs, **small)
+
+class tiles:
+    """``with tiles(fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)): ...`` runs these tiles instead
+    of autotune's (GPU) or INTERPRETER_TILE: how tests reach rectangular tiles on the causal
+    diagonal, or a GPU's tile sizes in the interpreter."""
+
+    def __init__(self, **blocks):
+        for kernel, (bm, bn) in blocks.items():
+            if kernel not in _KERNELS:
+                raise ValueError(f"tiles: the kernels are {sorted(_KERNELS)}, got {kernel!r}")
+            if any(n < 16 or n & (n - 1) for n in (bm, bn)):
+                raise ValueError(f"tiles: {kernel} blocks must be powers of two >= 16, got {bm} x {bn}")
+            if (bn % bm if kernel == "dkdv" else bm % bn):
+                need = "BLOCK_N a multiple of BLOCK_M" if kernel == "dkdv" else "BLOCK_M a multiple of BLOCK_N"
+                raise ValueError(f"tiles: {kernel} needs {need}, got {bm} x {bn}")
+        self.blocks = blocks
+
+    def __enter__(self):
+        self.previous = dict(_FORCED)
+        _FORCED.update(self.blocks)
+        return self
+
+    def __exit__(self, *exc):
+        _FORCED.clear()
+        _FORCED.update(self.previous)
+
+
+def _launch(kernel, q, grid, *args, sk, **flags):
+    """Run one of the three kernels. EVEN_N (no key tail to mask) must hold for the BLOCK_N
+    that runs: for autotune, for every BLOCK_N it may pick."""
+    blocks = _FORCED.get(kernel) or (INTERPRETER_TILE if interpreting() else None)
+    if blocks:
+        meta = {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]}
+        even = sk % blocks[1] == 0
+        _KERNELS[kernel][grid(meta)](*args, **flags, EVEN_N=even, **meta)
     else:
-        tuned[grid](*args, **kwargs)
+        tuned = _TUNED[kernel, "fp32" if q.dtype == torch.float32 else "16bit"]
+        even = all(sk % c.kwargs["BLOCK_N"] == 0 for c in tuned.configs)
+        tuned[grid](*args, **flags, EVEN_N=even)
+        meta = tuned.best_config.kwargs
+    last_launch[kernel] = {"BLOCK_M": meta["BLOCK_M"], "BLOCK_N": meta["BLOCK_N"], "EVEN_N": even}
 
 
-def _flags(q, sk, causal):
+def _flags(q, causal):
     return dict(CAUSAL=bool(causal), HEAD_DIM=q.shape[-1],
-                PREC="ieee" if q.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit
-                EVEN_N=sk % (16 if interpreting() else 128) == 0)  # no key tail, whatever BLOCK_N
+                PREC="ieee" if q.dtype == torch.float32 else "tf32")  # tf32: ignored for 16-bit
 
 
 def attention_forward(q, k, v, causal, scale):
@@ -262,9 +297,9 @@ def attention_forward(q, k, v, causal, scale):
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     o = alloc((b, hq, sq, d), q.dtype, q.device)
     lse = alloc((b, hq, sq), torch.float32, q.device)
-    _launch(_attn_fwd, _fwd_tuned, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
+    _launch("fwd", q, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
             q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            hq, hq // hkv, sq, sk, scale * LOG2E, **_flags(q, sk, causal))
+            hq, hq // hkv, sq, sk, scale * LOG2E, sk=sk, **_flags(q, causal))
     return o, lse
 
 
@@ -286,11 +321,11 @@ def attention_backward(do, q, k, v, o, lse, causal, scale, dlse=None):
     dk, dv = alloc(k.shape, k.dtype, k.device), alloc(v.shape, v.dtype, v.device)
     args = (q, k, v, do, lse, delta)
     sizes = (hq, hkv, hq // hkv, sq, sk, scale, scale * LOG2E)
-    flags = _flags(q, sk, causal)
-    _launch(_attn_bwd_dkdv, _dkdv_tuned, lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), b * hkv),
-            *args, dk, dv, *sizes, **flags)
-    _launch(_attn_bwd_dq, _dq_tuned, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
-            *args, dq, *sizes, **flags)
+    flags = _flags(q, causal)
+    _launch("dkdv", q, lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), b * hkv),
+            *args, dk, dv, *sizes, sk=sk, **flags)
+    _launch("dq", q, lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), b * hq),
+            *args, dq, *sizes, sk=sk, **flags)
     return dq, dk, dv
 
 
