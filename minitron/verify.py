@@ -195,6 +195,9 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
     Plant(plant)                                      # an unknown plant fails here, not in a rank
+    if model_config.dropout_rng == "per_rank" and model_config.dropout > 0:
+        raise ValueError("dropout_rng='per_rank' draws masks no single device draws, so nothing can be "
+                         "compared: verify with dropout_rng='exact' (the default) or dropout=0")
     if model_config.use_kernels:
         check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)

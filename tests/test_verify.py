@@ -109,6 +109,12 @@ def test_unknown_plant_is_refused_before_launch():
         verify.verify(ParallelConfig(tp=2), ModelConfig(**SMALL), plant="drift")
 
 
+def test_per_rank_dropout_is_refused_before_launch():
+    # Megatron's per-rank masks exist on no single device: a comparison would FAIL a correct split.
+    with pytest.raises(ValueError, match="dropout_rng='per_rank' draws masks no single device draws"):
+        verify.verify(ParallelConfig(tp=2), ModelConfig(**SMALL, dropout_rng="per_rank"))
+
+
 # ---- the float32 tolerance, measured against float64 -------------------------------------------
 @pytest.mark.parametrize("opts", [{}, dict(LLAMA, n_kv_heads=2, hidden=64, n_heads=4),
                                   dict(vocab_size=256, seq_len=32, hidden=64, n_layers=3)])
