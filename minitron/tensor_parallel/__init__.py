@@ -6,4 +6,4 @@ from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequenc
                        reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region,
                        scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
-from .random import DropoutRNG
+from .random import DropoutRNG, PerRankDropoutRNG, make_dropout_rng
