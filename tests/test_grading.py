@@ -1,6 +1,6 @@
 """`make grade` compares a learner's answers with the reference, whatever the learner's file holds.
 
-For every exercise, three learner notebooks are graded in one run of the grader:
+For every exercise, three learner notebooks are graded:
   planted   the solution's answers except one planted wrong answer (tests/planted/NN_*.py),
             executed and saved WITH ITS OWN OUTPUTS, as JupyterLab's autosave leaves it;
   solved    the solution's answers, outputs cleared, and one check cell edited so that it
@@ -15,6 +15,7 @@ import copy
 import importlib.util
 import json
 import pathlib
+from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 import pytest
@@ -81,7 +82,8 @@ def run_and_save(nb: dict, path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _grade_exercise(name: str, tmp: pathlib.Path) -> dict:
+def _prepare(name: str, tmp: pathlib.Path) -> dict:
+    """The three learner notebooks of one exercise (the planted one still to be run)."""
     solution = json.loads((ROOT / "solutions" / name).read_text())
     exercise = json.loads((ROOT / "exercises" / name).read_text())
     missing = set(answer_ids(solution)) - {c.get("id") for c in exercise["cells"]}
@@ -92,30 +94,46 @@ def _grade_exercise(name: str, tmp: pathlib.Path) -> dict:
     solved = with_answers(exercise, solution, {})
     next(c for c in solved["cells"] if c.get("id") == edited["id"])["source"] = (
         'raise RuntimeError("the learner\'s edited check cell ran")\n')
-    files = {
-        "planted": run_and_save(with_answers(exercise, solution, wrong.WRONG), tmp / "planted" / name),
+    grader.stamp(save(solution, tmp / "solutions" / name), OTHER_TORCH)
+    return dict(solution=solution, planted=wrong, edited=edited["id"], files={
+        "planted": tmp / "planted" / name,
         "solved": save(solved, tmp / "solved" / name),
-        "unsolved": save(cleared(exercise), tmp / "unsolved" / name),
-    }
-    reference = save(solution, tmp / "solutions" / name)
-    grader.stamp(reference, OTHER_TORCH)
-    before = {k: p.read_bytes() for k, p in files.items()}
-    lines: list[str] = []
-    grades = grader.grade(list(files.values()), solutions=reference.parent, show=lines.append)
-    return dict(grades=dict(zip(files, grades)), lines=lines, files=files, before=before,
-                solution=solution, planted=wrong, edited=edited["id"])
+        "unsolved": save(cleared(exercise), tmp / "unsolved" / name)},
+        to_run=with_answers(exercise, solution, wrong.WRONG))
 
 
-_cache: dict[str, dict] = {}
+def _grade(runs: dict[str, dict], kinds: tuple[str, ...], solutions: pathlib.Path) -> None:
+    """Grade these kinds of notebook of every exercise in one run of the grader."""
+    jobs = [(run, kind) for run in runs.values() for kind in kinds]
+    before, lines = [run["files"][kind].read_bytes() for run, kind in jobs], []
+    grades = grader.grade([run["files"][kind] for run, kind in jobs], solutions=solutions, show=lines.append)
+    for (run, kind), g, b in zip(jobs, grades, before):
+        run.setdefault("grades", {})[kind] = g
+        run.setdefault("before", {})[kind] = b
+        run.setdefault("output", {})[kind] = lines
+
+
+def _selected(request) -> list[str]:
+    """The exercises that the selected tests of this module ask about (all, unless -k narrows)."""
+    return sorted({item.callspec.params["name"] for item in request.session.items
+                   if item.module is request.module and "graded" in item.fixturenames
+                   and "name" in getattr(getattr(item, "callspec", None), "params", {})})
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    def get(name: str) -> dict:
-        if name not in _cache:
-            _cache[name] = _grade_exercise(name, tmp_path_factory.mktemp(pathlib.Path(name).stem))
-        return _cache[name]
-    return get
+def graded(request, tmp_path_factory):
+    """name -> its three graded notebooks. One grader run for the solved and unsolved notebooks
+    of every exercise goes on in a thread while the planted ones are executed and saved; a
+    second grades those. (Starting nbval costs seconds: nbformat's schema imports are slow.)"""
+    tmp = tmp_path_factory.mktemp("grading")
+    runs = {name: _prepare(name, tmp) for name in _selected(request)}
+    with ThreadPoolExecutor(1) as pool:
+        fixed = pool.submit(_grade, runs, ("solved", "unsolved"), tmp / "solutions")
+        for run in runs.values():
+            run_and_save(run["to_run"], run["files"]["planted"])
+        _grade(runs, ("planted",), tmp / "solutions")
+        fixed.result()
+    return runs.__getitem__
 
 
 def test_every_exercise_has_a_planted_wrong_answer():
@@ -140,10 +158,10 @@ def test_planted_answer_is_a_wrong_version_of_an_answer_cell(name):
 def test_saved_wrong_answer_fails_at_its_check(name, graded):
     run = graded(name)
     g, fails_at = run["grades"]["planted"], run["planted"].FAILS_AT
-    assert not g.passed, "a saved wrong answer passes grading:\n" + "\n".join(run["lines"])
+    assert not g.passed, "a saved wrong answer passes grading:\n" + "\n".join(run["output"]["planted"])
     assert f"FAIL at {fails_at}" in g.summary, g.summary
     assert not g.failures[0].stub, g.summary
-    assert g.summary in run["lines"]
+    assert g.summary in run["output"]["planted"]
     # the premise: at that check the file holds the learner's own outputs (nbval alone compared
     # the file with itself, and passed it)
     n = g.failures[0].cell
@@ -159,7 +177,7 @@ def code_cells(nb: dict) -> list[dict]:
 def test_solution_answers_pass_whatever_the_check_cells_and_outputs(name, graded):
     run = graded(name)
     g = run["grades"]["solved"]
-    assert g.passed, "\n".join(run["lines"])
+    assert g.passed, "\n".join(run["output"]["solved"])
     assert g.summary.endswith(f"PASS ({g.checked} checked cells reproduce the reference)") and g.checked
     edited = [n for n in g.notes if n.startswith("you edited a check cell")]
     assert len(edited) == 1 and f"id {run['edited']}" in edited[0] and "the reference's is used" in edited[0]
@@ -189,14 +207,15 @@ def test_cleared_outputs_do_not_change_what_is_graded(name, graded):
 def test_learner_files_are_not_touched(name, graded):
     run = graded(name)
     assert {k: p.read_bytes() for k, p in run["files"].items()} == run["before"]
-    assert sorted(p.name for p in run["files"]["planted"].parent.iterdir()) == [name]
+    for path in run["files"].values():  # and nothing was written beside them
+        assert {p.name for p in path.parent.iterdir()} <= set(NAMES), list(path.parent.iterdir())
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_another_torch_is_said_once_before_the_results(name, graded):
-    lines = graded(name)["lines"]
-    said = [k for k, line in enumerate(lines) if f"recorded with torch {OTHER_TORCH}" in line]
-    assert said == [0], lines
+    for kind, lines in graded(name)["output"].items():
+        said = [k for k, line in enumerate(lines) if f"recorded with torch {OTHER_TORCH}" in line]
+        assert said == [0], (kind, lines)
 
 
 def test_every_solution_records_its_torch_version():
