@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile

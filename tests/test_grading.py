@@ -15,6 +15,8 @@ import copy
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
@@ -106,7 +108,8 @@ def _grade(runs: dict[str, dict], kinds: tuple[str, ...], solutions: pathlib.Pat
     """Grade these kinds of notebook of every exercise in one run of the grader."""
     jobs = [(run, kind) for run in runs.values() for kind in kinds]
     before, lines = [run["files"][kind].read_bytes() for run, kind in jobs], []
-    grades = grader.grade([run["files"][kind] for run, kind in jobs], solutions=solutions, show=lines.append)
+    grades = grader.grade([run["files"][kind] for run, kind in jobs], solutions=solutions,
+                          show=lambda line: (lines.append(line), print(line)))  # shown with -s
     for (run, kind), g, b in zip(jobs, grades, before):
         run.setdefault("grades", {})[kind] = g
         run.setdefault("before", {})[kind] = b
@@ -299,8 +302,6 @@ def _learner(folder: pathlib.Path, answer: str | None, extra: str | None = None)
 
 
 def test_command_line_on_a_tiny_course(tmp_path):
-    import subprocess
-    import sys
     save(DEMO, tmp_path / "solutions" / "07_demo.ipynb")  # no torch stamp: nothing to say about it
     right = _learner(tmp_path / "right", 'def double(v):\n    return v + v\n\nprint("what an answer cell prints is not graded")\n',
                      extra="print('my scratch')\n")
