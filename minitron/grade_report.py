@@ -17,8 +17,8 @@ _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
 _DEF = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)", re.M)
 _CALLED_CHECK = re.compile(r"\b(check\w*)\s*\(")
 _NEW_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
-_FRAME = re.compile(r'^\s*(?:File "[^"]*", line (\d+)|Cell In\[\d+\], line (\d+)|File \S+:(\d+)), in ([\w<>.]+)',
-                    re.M)
+_FRAME = re.compile(  # a frame's header, as Python, IPython (a cell) and IPython (a file) print it
+    r'^\s*(?:File "[^"]*", line (\d+)|Cell In\[\d+\], line (\d+)|File \S+:(\d+)), in ([\w<>.]+)', re.M)
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): ?(.*)$")
 _WRAPPED = re.compile(r"""^([A-Za-z_]\w*)\((['"])(.*)\2\)$""", re.S)  # e.g. NotImplementedError('...')
 
