@@ -1,9 +1,14 @@
-"""Every fused kernel against a float64 torch reference, forward and gradients.
+"""Every fused kernel against an independent float64 oracle, forward and gradients:
+torch's own op (F.rms_norm, F.layer_norm, F.scaled_dot_product_attention,
+F.cross_entropy, torch.optim.AdamW) or the definition written here, never ops'
+torch fallbacks (they are code under test too).
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors, which is
 slow, so shapes are tiny but deliberately awkward: 37 rows, hidden 97, seq 33,
-vocab 1013, so that every kernel has a tail to mask. With a GPU (and
-TRITON_INTERPRET unset) the same checks run compiled on CUDA, in 16-bit too.
+vocab 1013, so that every kernel has a tail to mask; and, for flash attention,
+key lengths with no tail (the unmasked path a GPU mostly takes) and forced
+rectangular tiles. With a GPU (and TRITON_INTERPRET unset) the same checks run
+compiled on CUDA, in 16-bit too.
 
 Every output buffer a kernel writes starts as NaN (ops.POISON), so an element
 no program instance wrote fails the comparison.

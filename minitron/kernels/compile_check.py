@@ -9,10 +9,11 @@ needs is Triton's own figure (its kernels allocate it dynamically, so ptxas does
 a launch asking for more than SM90_SHARED_LIMIT fails on an H100/H200.
 
 Flash attention is compiled in every tile autotune may pick (attention_configs.py), at head
-dims 64 and 128, for 16-bit and fp32 inputs: what tests/test_kernels_compile.py holds to the
+dim 128, for 16-bit and fp32 inputs: what tests/test_kernels_compile.py holds to the
 limits; and in the tiles dropped from those lists, which must break them.
 
-Run it in a fresh process with TRITON_INTERPRET unset (the tests do): triton.jit decides
+The cases compile in parallel, one process per CPU. Run it in a fresh process with
+TRITON_INTERPRET unset (the tests do): triton.jit decides
 between interpreter and compiler when it decorates a kernel, and an interpreted kernel cannot
 be compiled.
 """
@@ -141,20 +142,28 @@ def compile_case(module, kernel, types, constexprs, warps, stages):
             "cubin_bytes": len(compiled.asm.get("cubin") or b"")}
 
 
+def _compile_or_error(case):
+    try:
+        return compile_case(*case)
+    except Exception as e:  # one case's failure is that case's result, not the end of the run
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+
+
 def run(only=(), show=None):
     """{case name: report, or {"error": message}} for the cases whose name contains any of
-    `only` (all when empty); show(name, report) is called as each one is done."""
+    `only` (all when empty), compiled on every CPU; show(name, report) as each one is done."""
+    import concurrent.futures as cf
+    import multiprocessing
+    cases = {name: case for name, case in all_cases().items() if not only or any(s in name for s in only)}
+    workers = min(len(cases), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     results = {}
-    for name, case in all_cases().items():
-        if only and not any(s in name for s in only):
-            continue
-        try:
-            results[name] = compile_case(*case)
-        except Exception as e:  # one case's failure is that case's result, not the end of the run
-            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        if show:
-            show(name, results[name])
-    return results
+    with cf.ProcessPoolExecutor(max(workers, 1), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_compile_or_error, case): name for name, case in cases.items()}
+        for future in cf.as_completed(futures):
+            results[futures[future]] = future.result()
+            if show:
+                show(futures[future], results[futures[future]])
+    return {name: results[name] for name in cases}
 
 
 def _show(name, r):
