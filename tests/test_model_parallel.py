@@ -59,6 +59,25 @@ SD_CONFIGS = [ModelConfig(**BASE),
               ModelConfig(**{**BASE, "n_kv_heads": 2, "activation": "swiglu", "bias": True})]
 
 
+def _expected_shard(full: dict, key: str, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s tensor `key`, written out from the layout lessons 01 and 02 teach, not from
+    convert.py's rules: column-parallel pieces keep rows r of each fused part ([q_r; k_r; v_r],
+    [gate_r; fc1_r]), row-parallel weights columns r, vocab-parallel tables rows r, the rest whole."""
+    mine = lambda t, dim=0: t.chunk(tp, dim=dim)[rank]
+    parent, leaf = key.rsplit(".", 1)
+    gate = parent.replace("fc1", "gate") + f".{leaf}"
+    if parent.endswith("attention.qkv"):
+        base = parent.removesuffix("qkv")
+        return torch.cat([mine(full[f"{base}{p}.{leaf}"]) for p in "qkv"])
+    if parent.endswith("mlp.fc1") and gate in full:
+        return torch.cat([mine(full[gate]), mine(full[key])])
+    if key.endswith(("mlp.fc1.weight", "mlp.fc1.bias", "word.weight", "lm_head.weight")):
+        return mine(full[key])
+    if key.endswith(("attention.out.weight", "mlp.fc2.weight")):
+        return mine(full[key], dim=1)
+    return full[key]                      # norms, row-parallel biases, positions: replicated
+
+
 def _shard_gather_worker(tp):
     grid = build_grid(ParallelConfig(tp=tp))
     out = []
@@ -69,11 +88,11 @@ def _shard_gather_worker(tp):
         local = shard_state_dict(full, cfg, grid)
         back = gather_state_dict(local, cfg, grid)
         model = ParallelGPT(cfg, grid, seed=3)              # initialised like GPT(cfg, seed=3)
-        same_init = gather_state_dict(model.state_dict(), cfg, grid)
         out.append((back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in full),
                     local.keys() == model.state_dict().keys()
                     and all(local[k].shape == v.shape for k, v in model.state_dict().items()),
-                    all(torch.equal(same_init[k], full[k]) for k in full)))
+                    [k for k, v in model.state_dict().items()
+                     if not torch.equal(v, _expected_shard(full, k, grid.tp.rank, tp))]))
     return out
 
 
@@ -81,10 +100,19 @@ def _shard_gather_worker(tp):
 def test_shard_then_gather_is_identity(run_ranks, tp):
     for rank_result in run_ranks(_shard_gather_worker, tp, world_size=tp):
         assert rank_result, "no configuration was checked"
-        for identity, fits_model, same_init in rank_result:
+        for identity, fits_model, wrong_shards in rank_result:
             assert identity, "gather(shard(sd)) != sd"
             assert fits_model, "shard_state_dict's keys/shapes differ from ParallelGPT's"
-            assert same_init, "ParallelGPT(cfg, grid, seed) is not GPT(cfg, seed) sharded"
+            assert not wrong_shards, f"ParallelGPT(cfg, grid, seed) is not GPT(cfg, seed) sharded: {wrong_shards}"
+
+
+def test_expected_shard_oracle_catches_a_swapped_fused_order():
+    # The test of the oracle: a [k_0; q_0; v_0] fused weight is not rank 0's [q_0; k_0; v_0].
+    full = GPT(SD_CONFIGS[2], seed=3).state_dict()
+    right = _expected_shard(full, "layers.0.attention.qkv.weight", 0, 2)
+    q, k, v = (full[f"layers.0.attention.{p}.weight"].chunk(2)[0] for p in "qkv")
+    assert torch.equal(right, torch.cat([q, k, v]))
+    assert not torch.equal(right, torch.cat([k, q, v]))
 
 
 # ---- replicated parameters stay identical across the tensor-parallel group ------------------
