@@ -135,6 +135,9 @@ def torch_line(references: dict[Path, dict]) -> str | None:
             "reference for a right answer (verdicts should not)")
 
 
+KERNEL_START_FAILED = "Kernel died before replying to kernel_info"
+
+
 def _run_nbval(jobs: dict[Path, Path], workdir: Path, cell_timeout: int) -> tuple[dict, str]:
     """Run nbval on the merged notebooks (path -> learner's folder); the plugin's record."""
     (workdir / "pytest.ini").write_text("[pytest]\n")  # no configuration inherited from above
@@ -182,14 +185,23 @@ def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 
         if jobs:
             show(f"grading {', '.join(str(g.path) for g in grades if not g.error)} "
                  "(every cell runs: this takes a while)")
-            records, output = _run_nbval(jobs, Path(tmp), cell_timeout)
-            if verbose:
-                show(output)
-            for g, (target, _) in zip((g for g in grades if not g.error), jobs.items()):
-                merged, cells = json.loads(target.read_text()), records.get(str(target.resolve()), {})
-                g.failures = report.failures(merged, cells)
-                if not g.failures and len(cells) < report.code_cells(merged):
-                    g.error = "not every cell ran (nbval's output follows):\n" + output[-2000:]
+            graded = dict(zip(jobs, (g for g in grades if not g.error)))
+            for attempt in range(2):
+                records, output = _run_nbval(jobs, Path(tmp), cell_timeout)
+                if verbose:
+                    show(output)
+                for target in jobs:
+                    g, cells = graded[target], records.get(str(target.resolve()), {})
+                    merged = json.loads(target.read_text())
+                    g.failures = report.failures(merged, cells)
+                    if not g.failures and len(cells) < report.code_cells(merged):
+                        g.error = "not every cell ran (nbval's output follows):\n" + output[-2000:]
+                # A kernel that died starting up (two kernels that picked the same free port,
+                # say) says nothing about the answers: grade those notebooks once more.
+                jobs = {t: f for t, f in jobs.items()
+                        if any(KERNEL_START_FAILED in x.message + x.reason for x in graded[t].failures)}
+                if not jobs:
+                    break
     for g in grades:
         for line in g.notes + [d for f in g.failures[:1] for d in f.details()]:
             show(f"{g.path}: {line}")

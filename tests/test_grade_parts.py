@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from minitron import grade as grader
-from minitron.grade_report import root_exception
+from minitron.grade_report import code_cells, root_exception
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -143,3 +143,29 @@ def test_stamp_records_the_torch_version_and_nothing_else(tmp_path):
     grader.stamp(path)
     assert grader.recorded_torch(json.loads(path.read_text())) == grader.torch_version()
     assert grader.torch_line({path: json.loads(path.read_text())}) is None
+
+
+def test_a_kernel_that_died_starting_is_graded_again(tmp_path, monkeypatch):
+    # Two kernels started at once can pick the same free port; the loser dies before
+    # kernel_info. That is no verdict on the answers: the grader runs that notebook once more.
+    save(DEMO, tmp_path / "solutions" / "07_demo.ipynb")
+    right = _learner(tmp_path / "right", "def double(v):\n    return v + v\n")
+    calls = []
+
+    def fake_nbval(jobs, workdir, cell_timeout):
+        calls.append(list(jobs))
+        (target,) = jobs
+        cells = range(code_cells(json.loads(target.read_text())))
+        died = {"outcome": "failed", "message": "Kernel died before replying to kernel_info"}
+        record = died if len(calls) == 1 else {"outcome": "passed"}
+        return {str(target.resolve()): {str(n): record for n in cells}}, ""
+
+    monkeypatch.setattr(grader, "_run_nbval", fake_nbval)
+    (g,) = grader.grade([right], solutions=tmp_path / "solutions", show=lambda line: None)
+    assert len(calls) == 2 and calls[0] == calls[1], calls
+    assert g.passed, g.summary
+
+    calls.clear()
+    monkeypatch.setattr(grader, "KERNEL_START_FAILED", "a message nbval never prints")
+    (g,) = grader.grade([right], solutions=tmp_path / "solutions", show=lambda line: None)
+    assert len(calls) == 1 and not g.passed and "Kernel died" in g.summary, g.summary
