@@ -17,19 +17,21 @@ CONFIGS = {
     ("fwd", "16bit"): [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 32, 4, 4)],
     ("dkdv", "16bit"): [(16, 32, 8, 3), (32, 32, 4, 3)],
     ("dq", "16bit"): [(64, 32, 8, 3), (128, 32, 8, 2), (32, 32, 4, 3), (64, 64, 8, 3)],
-    ("fwd", "fp32"): [(32, 16, 8, 2), (16, 16, 4, 2)],
-    ("dkdv", "fp32"): [(16, 32, 4, 2), (32, 32, 8, 2), (16, 16, 4, 2)],
-    ("dq", "fp32"): [(32, 16, 8, 2), (16, 16, 4, 2)],
+    # fp32 is the verifier's exact path, not a fast one (16-bit is what trains): one small tile
+    # each, which also keeps the cold-cache compile test short (an fp32 tile takes 4-8 s).
+    ("fwd", "fp32"): [(16, 16, 4, 2)],
+    ("dkdv", "fp32"): [(16, 16, 4, 2)],
+    ("dq", "fp32"): [(16, 16, 4, 2)],
 }
 
 # Tiles taken out of a list, with the limit each breaks at head dim 128 ("shared": more than
 # 227 KiB; "spills": registers spilled), measured with triton 3.9's ptxas. The tests compile
-# these too: the checks must catch them. Also taken out, not recompiled by the tests (slow):
+# this one too: the checks must catch it. Also taken out, not recompiled by the tests (slow):
 # 16-bit fwd 128x128 w8 s2 (228 B spilled), dK/dV 16x64 w8 s3 (40 B) and 32x128 w8 s2 (156 B);
 # fp32 (formerly the 16-bit lists) fwd 128x64 w8 s3 (224.5 KiB shared, 40 KB spilled) and
 # 64x32 w4 s4 (80 KB spilled), fwd 32x32 w8 s2 (1264 B), dQ 32x16 w4 s2 (484 B), dK/dV 16x32 w8
-# s2 (100 B).
+# s2 (100 B), fwd 32x16 w4 s2 (1000 B). Spill-free but dropped to keep one fp32 tile per kernel:
+# fwd 32x16 w8 s2, dQ 32x16 w8 s2, dK/dV 16x32 w4 s2 and 32x32 w8 s2.
 REJECTED = {
     ("dkdv", "16bit"): [((32, 64, 8, 3), "spills")],   # 255 registers and 32 B spilled
-    ("fwd", "fp32"): [((32, 16, 4, 2), "spills")],     # 1000 B spilled; with 8 warps: none
 }
