@@ -44,11 +44,10 @@ from .model.fused import check_kernels
 from .model.parallel import ParallelGPT
 from .model.reference import GPT
 from .optim import FusedAdamW
-from .verify_checks import (Report, Row, float32_tolerance, grad_rows, pattern, replica_rows,
+from .verify_checks import (Report, Row, float32_tolerance, grad_rows, replica_rows,
                             sum_rows, update_rows)
 from .verify_plants import Plant
 
-_pattern = pattern     # the name tests import
 
 # Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
 UNBUILT = {"pp": ("pipeline parallelism", "pipeline stages and schedules, lesson 04"),
@@ -151,8 +150,9 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         # Gather what rank 0 compares (collectives: every rank takes part).
         full_logits = planted.logits(comm.all_gather(logits.detach(), grid.tp, dim=-1))
         dx = comm.all_gather(x.grad, grid.tp, dim=1) if grid.sequence_parallel else x.grad
-        grads = gather_state_dict(grads_state_dict(model), mcfg, grid)
-        grad_replicas = replica_rows(step, "grads", grads_state_dict(model), mcfg, grid)
+        local_grads = grads_state_dict(model)
+        grads = gather_state_dict(local_grads, mcfg, grid)
+        grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid)
         if lead:
             ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed)
             rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (loss, ref_loss),

@@ -43,7 +43,8 @@ from minitron.model.fused import kernels_problem  # noqa: E402
 from minitron.optim import FusedAdamW  # noqa: E402
 from minitron.tensor_parallel.cross_entropy import (  # noqa: E402
     fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy)
-from minitron.verify import _pattern, run_rank  # noqa: E402
+from minitron.verify import run_rank  # noqa: E402
+from minitron.verify_checks import pattern  # noqa: E402
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=2, use_kernels=True)
 LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
@@ -144,7 +145,7 @@ def test_matches_reference(run_ranks, name):
     rows = results[0][0]
     bad = [f"step {r.step} {r.quantity}: {r.err:.2e} > {r.tol:.0e}" for r in rows if not r.ok]
     assert not bad, "\n".join(bad)
-    names = {_pattern(n) for n in GPT(mcfg).state_dict()}
+    names = {pattern(n) for n in GPT(mcfg).state_dict()}
     for kind in ("grad", "weight"):      # every parameter compared, as a gradient and a weight
         assert {r.quantity.split(" ", 1)[1] for r in rows if r.quantity.startswith(kind)} == names
     assert {r.quantity for r in rows} >= {"logits", "loss", "dL/dX"}

@@ -4,7 +4,6 @@ Each numerical test runs minitron.verify's per-rank body (logits, loss, dL/dX, e
 gradient and every updated weight after AdamW, compared on rank 0 with the verifier's
 tolerances), so the tests and `python -m minitron.verify` check the same thing.
 """
-import re
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, sha
 from minitron.model import parallel as parallel_mod
 from minitron.tensor_parallel import layers as layers_mod
 from minitron.verify import make_batch, parallel_step, run_rank
+from minitron.verify_checks import pattern
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4)
 CONFIGS = {
@@ -36,10 +36,6 @@ def _configs(name):
     return ParallelConfig(tp=tp, sequence_parallel=sp), ModelConfig(**{**BASE, **opts})
 
 
-def _pattern(name):
-    return re.sub(r"layers\.\d+\.", "layers.*.", name)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_reference(run_ranks, name):
     pcfg, mcfg = _configs(name)
@@ -47,7 +43,7 @@ def test_matches_reference(run_ranks, name):
     bad = [f"step {r.step} {r.quantity}: {r.err:.2e} > {r.tol:.0e}" for r in rows if not r.ok]
     assert not bad, "\n".join(bad)
     # Every reference parameter was compared, as a gradient and as an updated weight.
-    names = {_pattern(n) for n in GPT(mcfg).state_dict()}
+    names = {pattern(n) for n in GPT(mcfg).state_dict()}
     for kind in ("grad", "weight"):
         assert {r.quantity.split(" ", 1)[1] for r in rows if r.quantity.startswith(kind)} == names
     assert {r.quantity for r in rows} >= {"logits", "loss", "dL/dX"}

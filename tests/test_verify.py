@@ -1,7 +1,7 @@
 """The verifier itself: it passes correct splits with a margin, and fails planted errors by name.
 
 Correct runs at tp 1, 2, 3, 4 and 8 (the tp 8 one is the shape that once failed falsely);
-planted errors (minitron.verify_checks.PLANTS): replicas drifting on rank 1, a 1% error in one
+planted errors (minitron.verify_plants.PLANTS): replicas drifting on rank 1, a 1% error in one
 update, one gradient, one logit; the float32 tolerances measured against a float64 reference;
 the command line.
 """
@@ -203,3 +203,10 @@ def test_steps_and_batch_must_be_positive(capsys, option):
         verify.main([option, "0"])
     assert exit_.value.code == 2
     assert f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_a_wrong_shape_is_an_error_not_a_broadcast():
+    # [1, n] against [n] would broadcast to an n x n difference: compare the wrong entries.
+    e = {"final_norm.weight": torch.ones(4)}
+    with pytest.raises(ValueError, match=r"final_norm.weight: the parallel side's shape \(1, 4\)"):
+        grad_rows(0, {"final_norm.weight": torch.ones(1, 4)}, e, tol=1e-6)
