@@ -6,6 +6,7 @@ traceback) or the first output line that differs from the reference. This plugin
 to the JSON file named by $MINITRON_GRADE_RECORD:
 
     {notebook path: {code cell number: {"outcome": "passed" | "failed" | "skipped",
+                                        "message",  # failed: nbval's first line (timeouts, diffs)
                                         "ename", "evalue", "traceback",   # when it raised
                                         "expected", "got"}}}              # text of both outputs
 
@@ -23,7 +24,7 @@ import pytest
 
 try:
     from nbval import plugin as _nbval
-except ImportError:  # pragma: no cover - the grader checks for nbval before it starts pytest
+except ImportError:  # pragma: no cover - grade.py reports a missing nbval when no record is written
     _nbval = None
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

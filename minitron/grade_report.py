@@ -23,15 +23,23 @@ _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): ?(.*)$")
 _WRAPPED = re.compile(r"""^([A-Za-z_]\w*)\((['"])(.*)\2\)$""", re.S)  # e.g. NotImplementedError('...')
 
 
-def _source(cell: dict) -> str:
+ANSWER_MARK = "# BEGIN SOLUTION"   # tools/make_exercises.py cuts the learner's part at it
+
+
+def source(cell: dict) -> str:
     text = cell.get("source", "")
     return "".join(text) if isinstance(text, list) else text
 
 
+def is_answer_cell(cell: dict) -> bool:
+    """A reference's answer cell: a code cell holding the marker line."""
+    return cell.get("cell_type") == "code" and any(
+        line.strip() == ANSWER_MARK for line in source(cell).splitlines())
+
+
 def _is_answer(cell: dict) -> bool:
     """An answer cell of a reference, or of a graded copy (whose source is the learner's)."""
-    return cell.get("metadata", {}).get("minitron_answer", False) or any(
-        line.strip() == "# BEGIN SOLUTION" for line in _source(cell).splitlines())
+    return cell.get("metadata", {}).get("minitron_answer", False) or is_answer_cell(cell)
 
 
 def code_cells(nb: dict) -> int:
@@ -41,7 +49,7 @@ def code_cells(nb: dict) -> int:
 def checked_cells(nb: dict) -> int:
     """Cells whose stored output the grading compares: the reference's non-answer cells."""
     return sum(c["cell_type"] == "code" and not _is_answer(c) and c.get("execution_count") is not None
-               and "NBVAL_IGNORE_OUTPUT" not in _source(c) and "NBVAL_SKIP" not in _source(c)
+               and "NBVAL_IGNORE_OUTPUT" not in source(c) and "NBVAL_SKIP" not in source(c)
                for c in nb["cells"])
 
 
@@ -49,7 +57,7 @@ def cell_names(nb: dict) -> list[str]:
     """A name in words for each code cell, in order (nbval's "Cell N" is the N-th code cell)."""
     names, heading, part = [], "", "the notebook's start"
     for cell in nb["cells"]:
-        text = _source(cell)
+        text = source(cell)
         if cell["cell_type"] == "markdown":
             found = [m.group(1) for m in map(_HEADING.match, text.splitlines()) if m]
             if found:
@@ -91,7 +99,7 @@ def learner_function(nb: dict, function: str, line: int) -> str:
     'Gather.forward' when two classes of the answer cells define a forward; '' if none is."""
     short = function.rsplit(".", 1)[-1]
     named = [d for c in nb["cells"] if c["cell_type"] == "code" and _is_answer(c)
-             for d in _definitions(_source(c)) if d[0].rsplit(".", 1)[-1] == short]
+             for d in _definitions(source(c)) if d[0].rsplit(".", 1)[-1] == short]
     at_line = [name for name, first, last in named if first <= line <= last]
     names = sorted(set(at_line or [name for name, _, _ in named]))
     return " or ".join(names)

@@ -2,7 +2,6 @@
 tracebacks nbval records), its command line on a course of one tiny exercise, and the stamp."""
 from __future__ import annotations
 
-import copy
 import json
 import pathlib
 import subprocess
@@ -11,23 +10,10 @@ import sys
 import pytest
 
 from minitron import grade as grader
+from notebook_files import cleared, save
 from minitron.grade_report import code_cells, root_exception
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def cleared(nb: dict) -> dict:
-    nb = copy.deepcopy(nb)
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code":
-            cell["outputs"], cell["execution_count"] = [], None
-    return nb
-
-
-def save(nb: dict, path: pathlib.Path) -> pathlib.Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-    return path
 
 
 # --- the reasons in words, on tracebacks as nbval records them ------------------------------

@@ -11,7 +11,6 @@ reproduces its solution notebook exactly, so `solved` passing is also the soluti
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import pathlib
@@ -22,6 +21,7 @@ import pytest
 from nbclient import NotebookClient
 
 from minitron import grade as grader
+from notebook_files import cleared, save
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAMES = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
@@ -41,14 +41,6 @@ def answer_ids(nb: dict) -> list[str]:
     return [c["id"] for c in nb["cells"] if grader.is_answer_cell(c)]
 
 
-def cleared(nb: dict) -> dict:
-    nb = copy.deepcopy(nb)
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code":
-            cell["outputs"], cell["execution_count"] = [], None
-    return nb
-
-
 def with_answers(exercise: dict, solution: dict, wrong: dict[str, str]) -> dict:
     """The exercise with the solution's answer cells, except those `wrong` replaces."""
     answers = {c["id"]: grader.source(c) for c in solution["cells"] if grader.is_answer_cell(c)}
@@ -63,12 +55,6 @@ def first_check_cell(solution: dict) -> dict:
     code = [c for c in solution["cells"] if c["cell_type"] == "code"]
     first_answer = next(k for k, c in enumerate(code) if grader.is_answer_cell(c))
     return next(c for c in code[first_answer:] if not grader.is_answer_cell(c))
-
-
-def save(nb: dict, path: pathlib.Path) -> pathlib.Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-    return path
 
 
 def run_and_save(nb: dict, path: pathlib.Path) -> pathlib.Path:

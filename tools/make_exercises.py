@@ -86,7 +86,7 @@ def render(nb: dict) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="Build exercises/ from solutions/.")
     parser.add_argument("--check", action="store_true", help="exit 1 if an exercise is out of date")
-    parser.add_argument("--force", action="store_true", help="rewrite exercises that differ")
+    parser.add_argument("--force", action="store_true", help="rewrite every exercise, even one holding a learner's work")
     parser.add_argument("--solutions", type=pathlib.Path, default=ROOT / "solutions")
     parser.add_argument("--exercises", type=pathlib.Path, default=ROOT / "exercises")
     args = parser.parse_args(argv)
