@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from .deadline import Deadline, heartbeat
 from .launch import (DEFAULT_TIMEOUT, RankError, _check_can_fork, _enter_rank, _exit_reason,
-                     _free_port, dumps_for_parent, _init, _pick_backend, _raise_if_a_peer_died, _Rank)
+                     _free_port, _init, _pick_backend, _raise_if_a_peer_died, _Rank)
+from .rank_output import dumps_for_parent
 
 
 class WorkerPool:

@@ -298,7 +298,7 @@ def _cuda_free_results():
 
 
 def test_results_come_back_as_cpu_tensors():
-    from minitron.launch import dumps_for_parent
+    from minitron.rank_output import dumps_for_parent
     import pickle
     out = pickle.loads(dumps_for_parent(_cuda_free_results()))
     assert torch.equal(out["t"], torch.arange(3.0)) and out["nested"][0].dtype == torch.int64

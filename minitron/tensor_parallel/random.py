@@ -46,8 +46,6 @@ class DropoutRNG:
     float mask is 4 bytes each), so the memory of either mode can be measured.
     """
 
-    mode = "exact"
-
     def __init__(self, seed: int = 1234, device: torch.device | str = "cpu"):
         self.seed = seed
         self.device = torch.device(device)   # where keep_mask draws when not told otherwise
@@ -110,8 +108,6 @@ class DropoutRNG:
 
 class PerRankDropoutRNG(DropoutRNG):
     """Megatron's seeding: a replicated stream (seed) and a tensor-parallel one (seed+2718+tp_rank)."""
-
-    mode = "per_rank"
 
     def __init__(self, seed: int = 1234, tp_rank: int = 0, device: torch.device | str = "cpu"):
         if type(tp_rank) is not int or tp_rank < 0:
