@@ -1,0 +1,2 @@
+"""Pipeline parallelism: stages, schedules as data, one executor, simulated and measured timelines."""
+from .actions import B, BW, F, W, Action, Event, Schedule, Timeline  # noqa: F401
