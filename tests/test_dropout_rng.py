@@ -166,16 +166,32 @@ def test_streams_are_seeded_megatrons_way_and_restart_on_reset():
         assert torch.equal(tp_mask, torch.rand(4, 4, generator=torch.Generator().manual_seed(5 + 2718 + 3)) >= 0.5)
         assert torch.equal(rep_mask, torch.rand(4, 4, generator=torch.Generator().manual_seed(5)) >= 0.5)
         rng.reset()
-    exact = DropoutRNG(5)   # one stream, whatever the region: the reference's
-    exact.keep_mask((4, 4), 0.5, region=TENSOR_PARALLEL)
-    both = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(5)) >= 0.5
-    assert torch.equal(exact.keep_mask((4, 4), 0.5), both[1])
+
+
+def test_exact_masks_are_keyed_by_layer_call_and_global_row():
+    """Where a mask sits decides it, not what was drawn before: a pipeline stage, a micro-batch
+    or a data-parallel rank that says where it is draws exactly the reference's rows."""
+    whole = DropoutRNG(5)
+    whole.reset(3)
+    whole.at_layer(2)
+    first, second = whole.keep_mask((4, 6), 0.5), whole.keep_mask((4, 6), 0.5)
+    assert not torch.equal(first, second)                    # each call of a layer has its own
+    part = DropoutRNG(5)
+    part.reset(3)
+    part.keep_mask((9, 9), 0.5, region=TENSOR_PARALLEL)     # draws elsewhere change nothing
+    part.at_layer(2)
+    part.rows_from(2)                                        # rows 2 and 3 of the batch only
+    assert torch.equal(part.keep_mask((2, 6), 0.5), first[2:])
+    assert torch.equal(part.keep_mask((2, 6), 0.5), second[2:])
+    part.reset(4)                                            # another step: other masks
+    part.at_layer(2)
+    assert not torch.equal(part.keep_mask((4, 6), 0.5), first)
 
 
 def test_exact_mode_slices_the_full_mask():
     x = torch.ones(2, 2, 4, 4)
     y = DropoutRNG(9).dropout(x, 0.5, True, index=(slice(None), slice(1, 3)), full_shape=(2, 6, 4, 4))
-    full = torch.rand(2, 6, 4, 4, generator=torch.Generator().manual_seed(9)) >= 0.5
+    full = DropoutRNG(9).keep_mask((2, 6, 4, 4), 0.5)
     assert torch.equal(y, full[:, 1:3].float() * 2.0)
 
 
@@ -188,3 +204,20 @@ def test_bad_options_say_what_to_change():
         PerRankDropoutRNG(0, tp_rank=-1)
     with pytest.raises(ValueError, match="region must be 'replicated' or 'tensor_parallel'"):
         DropoutRNG(0).keep_mask((2,), 0.5, region="tp")
+
+
+def test_micro_batches_draw_the_whole_batchs_masks():
+    """The reference GPT run on two halves of a batch (rows_from) gives the whole batch's logits."""
+    from minitron.model import GPT
+    model = GPT(_cfg("exact", seq_len=8), seed=0).train()
+    tokens, _ = make_batch(0, 0, 4, 8, MODEL["vocab_size"])
+    model.rng.reset(STEP_SEED)
+    whole = model(tokens)
+    halves = []
+    for first in (0, 2):
+        model.rng.reset(STEP_SEED)
+        model.rng.rows_from(first)
+        halves.append(model(tokens[first:first + 2]))
+    assert torch.allclose(torch.cat(halves), whole, rtol=0, atol=1e-6)
+    model.rng.reset(STEP_SEED)            # the test of the test: forgetting rows_from differs
+    assert not torch.allclose(model(tokens[2:]), whole[2:], atol=1e-3)

@@ -213,10 +213,12 @@ class ParallelGPT(nn.Module):
             raise ValueError(f"sequence parallelism splits the {tokens.shape[1]} tokens across "
                              f"tp={self.ctx.tp}: use a length that is a multiple of {self.ctx.tp}")
         _check_ids(tokens, self.cfg.vocab_size, "token")
+        self.rng.at_layer(-1)
         return self.ctx.dropout(self.embedding(tokens), self.rng, self.training)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            self.rng.at_layer(i)          # masks are keyed by layer (tensor_parallel/random.py)
             x = layer(x, self.rng)
         return self.final_norm(x)
 

@@ -139,10 +139,12 @@ class GPT(nn.Module):
         if tokens.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than "
                              f"ModelConfig.seq_len={self.cfg.seq_len}")
+        self.rng.at_layer(-1)
         return self.rng.dropout(self.embedding(tokens), self.cfg.dropout, self.training)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            self.rng.at_layer(i)          # masks are keyed by layer (tensor_parallel/random.py)
             x = layer(x, self.rng)
         return self.final_norm(x)
 
