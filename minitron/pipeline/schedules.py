@@ -1,0 +1,194 @@
+"""Pipeline schedules: who computes what, in which order, and which tensors travel.
+
+Every schedule is a pure function (pp, microbatches, virtual) -> Schedule (see actions.py).
+It decides only the *compute order* of each rank; `with_messages` then derives the sends and
+receives from it, so the same rule makes every schedule's messages:
+
+  after  F of stage s, if stage s+1 lives on another rank:      SEND_F  (activation forward)
+  before F of stage s, if stage s-1 lives on another rank:      RECV_F
+  after  B/BW of stage s, if stage s-1 lives on another rank:   SEND_B  (gradient backward)
+  before B/BW of stage s, if stage s+1 lives on another rank:   RECV_B
+
+A send lands right after the compute that produced its tensor and a receive right before the
+compute that needs it, so where one compute ends and the next begins, the send of the first
+and the receive of the second sit side by side and are posted as one batch: in 1F1B's steady
+state F, SEND_F, RECV_B, BW is exactly Megatron's send_forward_recv_backward. check.py proves
+for each schedule that this never deadlocks.
+
+Bubbles, with p ranks, m micro-batches and a stage's F, B, W costs (BW = B + W):
+  GPipe        all F, then all BW. Idle per rank (p-1)(F+B+W); peak activations m.
+  1F1B         p-1-r warm-up forwards on rank r, then one F one BW, then the cool-down BWs.
+               Same idle as GPipe, (p-1)/(m+p-1) of the time, but at most p micro-batches alive.
+  interleaved  v chunks per rank (stage s on rank s % p), each 1/v of a stage: the warm-up and
+               cool-down steps are v times shorter, idle (p-1)(F+B+W)/v. Needs m % p == 0.
+  ZB-H1        1F1B with BW split into B (dL/dinput: the next rank waits for it) and W (dL/dweights:
+               nobody waits for it). Rank r defers its first r W's, so the B's run back to back
+               in the cool-down and the W's fill the gaps: idle (p-1)(F+B-W), a third of 1F1B's
+               at F=B=W, with 1F1B's p micro-batches alive on rank 0.
+  ZB-V         2 chunks per rank in a V (rank r holds stages r and 2p-1-r): the last rank turns
+               the forward around without sending it, and W's fill the rest. At F=B=W and
+               m >= 2p-1 (see zb_v) every rank works without a gap from its first action to its
+               last; the only idle left is the start-up skew (p-1)F/2 per rank that consecutive
+               iterations overlap, with 1F1B's peak of p stage-sized activations.
+"""
+from __future__ import annotations
+
+from .actions import (B, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule,
+                      interleaved_placement, v_placement)
+
+
+def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]]):
+    """Start and end of every compute action when each runs as soon as its inputs exist
+    (F = B = W = 1, BW = 2, messages free). Raises ValueError if the orders wait on each other."""
+    last, cost = len(stage_rank) - 1, {F: 1, B: 1, W: 1, BW: 2}
+    ready: dict[tuple[str, int, int], int] = {}       # ("F"|"B", mb, stage) -> when made
+    times: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
+    clock = {r: 0 for r in compute}
+    moved = True
+    while moved:
+        moved = False
+        for r, order in compute.items():
+            while len(times[r]) < len(order):
+                a = order[len(times[r])]
+                needs = {F: [("F", a.microbatch, a.stage - 1)] if a.stage > 0 else [],
+                         W: [], B: [("B", a.microbatch, a.stage + 1)] if a.stage < last else []}
+                deps = needs.get(a.kind, needs[B])
+                if any(d not in ready for d in deps):
+                    break
+                start = max([clock[r]] + [ready[d] for d in deps])
+                clock[r] = start + cost[a.kind]
+                times[r].append((start, clock[r]))
+                if a.kind != W:
+                    ready["F" if a.kind == F else "B", a.microbatch, a.stage] = clock[r]
+                moved = True
+    stuck = {r: str(order[len(times[r])]) for r, order in compute.items() if len(times[r]) < len(order)}
+    if stuck:
+        raise ValueError(f"compute orders wait on each other forever; each rank's next action: {stuck}")
+    return times
+
+
+def with_messages(name: str, pp: int, microbatches: int, virtual: int,
+                  stage_rank: tuple[int, ...], compute: dict[int, list[Action]]) -> Schedule:
+    """Add each rank's sends and receives to its compute order, deadlock-free by construction.
+
+    Every message is stamped with the time its tensor is made in an as-soon-as-possible run of
+    the compute orders (ties broken the same way everywhere); both ends place it at that time:
+    after every compute that started earlier, before every compute that starts at or after it.
+    So the sender posts it right after producing the tensor, the receiver before consuming it,
+    and every rank posts its messages in one global order. Then no deadlock is possible, even
+    under rendezvous: the earliest message not yet posted by both ends is reached by both,
+    because everything before it on each end has been matched.
+    """
+    last = len(stage_rank) - 1
+    times = _compute_times(stage_rank, compute)
+    made = {}
+    for r, order in compute.items():
+        for a, (_, end) in zip(order, times[r]):
+            made[a.kind, a.microbatch, a.stage] = end
+    messages: dict[int, list[tuple[tuple, Action]]] = {r: [] for r in compute}
+    for r, order in compute.items():
+        for a in order:
+            s, mb = a.stage, a.microbatch
+            if a.kind == F and s < last and stage_rank[s + 1] != r:
+                key = (made[F, mb, s], 0, mb, s)
+                messages[r].append((key, Action(SEND_F, mb, s, stage_rank[s + 1])))
+                messages[stage_rank[s + 1]].append((key, Action(RECV_F, mb, s + 1, r)))
+            if a.kind in (B, BW) and s > 0 and stage_rank[s - 1] != r:
+                key = (made[a.kind, mb, s], 1, mb, s)
+                messages[r].append((key, Action(SEND_B, mb, s, stage_rank[s - 1])))
+                messages[stage_rank[s - 1]].append((key, Action(RECV_B, mb, s - 1, r)))
+    actions = {}
+    for r, order in compute.items():
+        pending = sorted(messages[r], key=lambda km: km[0])
+        out = []
+        for a, (start, _) in zip(order, times[r]):
+            while pending and pending[0][0][0] <= start:
+                out.append(pending.pop(0)[1])
+            out.append(a)
+        actions[r] = tuple(out + [msg for _, msg in pending])
+    return Schedule(name, pp, microbatches, virtual, tuple(stage_rank), actions)
+
+
+def _validate(name: str, pp: int, microbatches: int, virtual: int, allowed: tuple[int, ...]):
+    if pp < 1 or microbatches < 1:
+        raise ValueError(f"{name}: pp and microbatches must be >= 1, got pp={pp}, "
+                         f"microbatches={microbatches}")
+    if virtual not in allowed:
+        raise ValueError(f"{name}: virtual={virtual} is not supported; use virtual in {allowed}"
+                         + (" (choose 'interleaved' for more chunks per rank)" if allowed == (1,) else ""))
+
+
+def gpipe(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """GPipe: every micro-batch forward, then every micro-batch backward (in the same order)."""
+    _validate("gpipe", pp, microbatches, virtual, (1,))
+    compute = {r: [Action(F, i, r) for i in range(microbatches)]
+               + [Action(BW, i, r) for i in range(microbatches)] for r in range(pp)}
+    return with_messages("gpipe", pp, microbatches, 1, interleaved_placement(pp, 1), compute)
+
+
+def _one_f_one_b_order(pp: int, m: int, rank: int, backward: str) -> list[Action]:
+    """Megatron's non-interleaved order: warm-up forwards, F/backward pairs, cool-down backwards."""
+    warmup = min(pp - 1 - rank, m)
+    order = [Action(F, i, rank) for i in range(warmup)]
+    for i in range(m - warmup):                       # steady state: F of i+warmup, then back i
+        order += [Action(F, i + warmup, rank), Action(backward, i, rank)]
+    order += [Action(backward, i, rank) for i in range(m - warmup, m)]
+    return order
+
+
+def one_f_one_b(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """1F1B (PipeDream-Flush, Megatron's forward_backward_pipelining_without_interleaving)."""
+    _validate("1f1b", pp, microbatches, virtual, (1,))
+    compute = {r: _one_f_one_b_order(pp, microbatches, r, BW) for r in range(pp)}
+    return with_messages("1f1b", pp, microbatches, 1, interleaved_placement(pp, 1), compute)
+
+
+def interleaved(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B (forward_backward_pipelining_with_interleaving).
+
+    Rank r holds stages r, r+p, ... (chunk c = stage c*p + r). Work is counted in *virtual*
+    micro-batches k = 0 .. m*v-1, taken in groups of p micro-batches per chunk (Megatron's
+    schedule table with microbatch_group_size_per_vp_stage = p): k -> micro-batch
+    (k // (p v)) p + k % p, forward chunk (k % (p v)) // p, backward chunk v-1 minus that.
+    Warm-up (p-1-r)*2 + (v-1)*p forwards (all of them if that reaches m*v), then one forward
+    one backward, then the remaining backwards.
+    """
+    _validate("interleaved", pp, microbatches, virtual, tuple(range(1, 65)))
+    if microbatches % pp:
+        raise ValueError(f"interleaved: microbatches ({microbatches}) must be a multiple of pp "
+                         f"({pp}), as Megatron requires; use e.g. {pp * -(-microbatches // pp)}")
+    total = microbatches * virtual
+
+    def unit(k: int, forward: bool, rank: int) -> Action:
+        mb = (k // (pp * virtual)) * pp + k % pp
+        chunk = (k % (pp * virtual)) // pp
+        if not forward:
+            chunk = virtual - 1 - chunk
+        return Action(F if forward else BW, mb, chunk * pp + rank)
+
+    compute = {}
+    for r in range(pp):
+        warmup = min((pp - 1 - r) * 2 + (virtual - 1) * pp, total)
+        if virtual == 1:        # one chunk per rank: Megatron runs plain 1F1B instead
+            warmup = min(pp - 1 - r, total)
+        order = [unit(k, True, r) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [unit(k + warmup, True, r), unit(k, False, r)]
+        order += [unit(k, False, r) for k in range(total - warmup, total)]
+        compute[r] = order
+    return with_messages("interleaved", pp, microbatches, virtual,
+                         interleaved_placement(pp, virtual), compute)
+
+
+SCHEDULES = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+}
+
+
+def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The schedule `name` for pp ranks and `microbatches` micro-batches, validated up front."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name](pp, microbatches, virtual)
