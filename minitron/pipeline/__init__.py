@@ -2,3 +2,4 @@
 from .actions import B, BW, F, W, Action, Event, Schedule, Timeline  # noqa: F401
 from .schedules import SCHEDULES, make_schedule  # noqa: F401
 from .check import CheckReport, ScheduleError, check  # noqa: F401
+from .simulate import Costs, simulate  # noqa: F401

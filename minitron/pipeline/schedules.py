@@ -180,15 +180,88 @@ def interleaved(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
                          interleaved_placement(pp, virtual), compute)
 
 
+def zb_h1(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, sec. 2.1): 1F1B's order with BW split into B then W, and rank r
+    holding back its first r W's. B is all the previous rank waits for, so the B's race back
+    through the pipeline; each rank keeps p micro-batches in flight (1F1B's rank 0 peak) and
+    runs the deferred W's where 1F1B's cool-down idled. Steady state: F, B, W of the oldest."""
+    _validate("zb-h1", pp, microbatches, virtual, (1,))
+    compute = {}
+    for r in range(pp):
+        order, pending, held = [], [], 0
+        for a in _one_f_one_b_order(pp, microbatches, r, B):
+            order.append(a)
+            if a.kind == B:
+                pending.append(Action(W, a.microbatch, r))
+                if held < r:
+                    held += 1                      # defer: keeps p micro-batches alive
+                else:
+                    order.append(pending.pop(0))
+        compute[r] = order + pending
+    return with_messages("zb-h1", pp, microbatches, 1, interleaved_placement(pp, 1), compute)
+
+
+def zb_v(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """ZB-V (Qi et al. 2024, sec. 6): two chunks per rank in a V, rank r holding stage r
+    (chunk 0) and stage 2p-1-r (chunk 1); the handcrafted order of the paper (the same as
+    torch.distributed.pipelining's ScheduleZBVZeroBubble). Phases on rank r:
+      warm-up   2(p-r)-1 F of chunk 0; then r times (F chunk 1, F chunk 0);
+                then p-r times (F, B, W of chunk 1)
+      steady    F chunk 0, B W chunk 0, F chunk 1, B W chunk 1    (until all F are done)
+      cool-down r times (B chunk 0, B chunk 1); p-r times (B chunk 0, W chunk 0); the rest W.
+    The pattern is written for m >= 2p-1 micro-batches; below that it is built for 2p-1 and
+    the missing micro-batches are dropped. At F=B=W and m >= 2p-1 no rank ever idles between
+    its first and its last action (test_zb_v_zero_bubble); peak activations p, 1F1B's.
+    """
+    _validate("zb-v", pp, microbatches, virtual, (2,))
+    n, m = 2 * pp, max(2 * pp - 1, microbatches)
+    compute = {}
+    for r in range(pp):
+        s0, s1 = r, n - 1 - r
+        count = {(k, c): 0 for k in (F, B, W) for c in (0, 1)}
+        order: list[Action] = []
+
+        def put(kind, chunk, mb=None):
+            i = count[kind, chunk] if mb is None else mb
+            order.append(Action(kind, i, (s0, s1)[chunk]))
+            if mb is None:
+                count[kind, chunk] += 1
+        for _ in range(2 * (pp - r) - 1):
+            put(F, 0)
+        for _ in range(r):
+            put(F, 1), put(F, 0)
+        for _ in range(pp - r):
+            put(F, 1), put(B, 1), put(W, 1)
+        while count[F, 1] < count[F, 0] or count[F, 0] < m:
+            if count[F, 0] < m:
+                put(F, 0)
+            put(B, 0), put(W, 0), put(F, 1), put(B, 1), put(W, 1)
+        for _ in range(r):
+            put(B, 0), put(B, 1)
+        for _ in range(pp - r):
+            put(B, 0), put(W, 0)
+        while count[W, 1] < count[B, 1]:
+            put(W, 1)
+        while count[W, 0] < count[B, 0]:
+            put(W, 0)
+        compute[r] = [a for a in order if a.microbatch < microbatches]
+    return with_messages("zb-v", pp, microbatches, 2, v_placement(pp), compute)
+
+
 SCHEDULES = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
 }
 
 
-def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The schedule `name` for pp ranks and `microbatches` micro-batches, validated up front."""
+def make_schedule(name: str, pp: int, microbatches: int, virtual: int | None = None) -> Schedule:
+    """The schedule `name` for pp ranks and `microbatches` micro-batches, validated up front.
+    virtual (stages per rank) defaults to the schedule's own: 2 for interleaved and zb-v, else 1."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if virtual is None:
+        return SCHEDULES[name](pp, microbatches)
     return SCHEDULES[name](pp, microbatches, virtual)
