@@ -1,0 +1,106 @@
+"""Collectives started now and finished later: how communication overlaps computation.
+
+Data parallelism starts each bucket's gradient all-reduce (or reduce-scatter) from a backward
+hook, the moment the bucket's last gradient is ready, and waits for all of them only after
+backward has finished: meanwhile autograd computes the earlier layers' gradients. These are
+minitron.comm's collectives with torch.distributed's `async_op=True`; they are counted
+exactly like the blocking ones (when they start), and a failure, which surfaces at `wait()`,
+names the rank, the operation and the group.
+
+    pending = comm_async.all_reduce(bucket, grid.dense_dp)   # returns at once
+    ...                                                       # more backward
+    pending.wait()                                            # bucket now holds the sum
+
+Inputs must be contiguous (the result is written where the collective puts it, no copy back).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .comm import Group, _all_gather_flat, _call, _count, _nbytes, _reduce_op, _reduce_scatter_flat
+
+
+class Pending:
+    """A collective in flight. `wait()` blocks until it is done and returns its result."""
+
+    def __init__(self, op: str, group: Group, work, result: torch.Tensor,
+                 finish: Callable[[], None] | None = None):
+        self.op, self.group, self.result = op, group, result
+        self._work, self._finish = work, finish
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            work, self._work = self._work, None
+            _call(f"wait for {self.op}", self.group, work.wait)
+            if self._finish is not None:
+                self._finish()
+        return self.result
+
+
+def _contiguous(t: torch.Tensor, what: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: the tensor must be contiguous (an asynchronous collective "
+                         "writes into it in place); pass t.contiguous() and read the result back")
+
+
+def _start(op: str, group: Group, fn: Callable) -> object:
+    return _call(f"start {op}", group, fn)
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
+    """Start an in-place all-reduce of `t`; `wait()` returns `t` holding the reduction."""
+    reduce_op = _reduce_op(op)
+    _contiguous(t, "all_reduce")
+    n = group.size
+    if n == 1:
+        return Pending("all_reduce", group, None, t)
+    _count(group, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+    work = _start("all_reduce", group,
+                  lambda: dist.all_reduce(t, op=reduce_op, group=group.pg, async_op=True))
+    return Pending("all_reduce", group, work, t, (lambda: t.div_(n)) if op == "avg" else None)
+
+
+def reduce_scatter(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
+    """Start reducing the flat `t` across ranks; `wait()` returns this rank's 1/n of it."""
+    reduce_op = _reduce_op(op)
+    _contiguous(t, "reduce_scatter")
+    n = group.size
+    if n == 1:
+        return Pending("reduce_scatter", group, None, t)
+    if t.dim() != 1 or t.numel() % n:
+        raise ValueError(f"reduce_scatter: expected a flat tensor whose size is a multiple of the "
+                         f"group size {n}, got shape {tuple(t.shape)}: pad it to a multiple of {n}")
+    out = t.new_empty(t.numel() // n)
+    _count(group, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
+    work = _start("reduce_scatter", group,
+                  lambda: _reduce_scatter_flat(out, t, op=reduce_op, group=group.pg, async_op=True))
+    return Pending("reduce_scatter", group, work, out, (lambda: out.div_(n)) if op == "avg" else None)
+
+
+def all_gather(t: torch.Tensor, group: Group, out: torch.Tensor | None = None) -> Pending:
+    """Start gathering every rank's flat `t` in rank order; `wait()` returns the n*len(t) result
+    (written into `out` when given)."""
+    _contiguous(t, "all_gather")
+    n = group.size
+    if out is None:
+        out = t.new_empty(n * t.numel())
+    if out.shape != (n * t.numel(),) or not out.is_contiguous():
+        raise ValueError(f"all_gather: out must be a contiguous flat tensor of {n * t.numel()} "
+                         f"elements, got shape {tuple(out.shape)}")
+    if n == 1:
+        out.copy_(t.reshape(-1))
+        return Pending("all_gather", group, None, out)
+    _count(group, "all_gather", _nbytes(out), (n - 1) / n * _nbytes(out))
+    work = _start("all_gather", group,
+                  lambda: _all_gather_flat(out, t.reshape(-1), group=group.pg, async_op=True))
+    return Pending("all_gather", group, work, out)
+
+
+__all__ = ["Pending", "all_reduce", "reduce_scatter", "all_gather"]

@@ -1,0 +1,53 @@
+"""Whole tensors out of sharded storage, and back in: for comparisons with the reference only.
+
+Under ZeRO no rank holds a whole gradient (stages 1-3) or a whole weight (stage 3). The
+verifier still compares every tensor, so these helpers rebuild them: each rank puts the
+pieces it keeps into a zero tensor of the full shape and one all-reduce (sum) over the
+sharding group fills in the rest (every element is kept by exactly one rank). This costs
+traffic no training step pays; it is never called by one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+
+
+def _group(engine, p: nn.Parameter):
+    buffer_of = getattr(engine, "buffer_of", None)
+    return buffer_of[p].group if buffer_of is not None else engine.group
+
+
+def _assemble(engine, pieces_of, replicated: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in engine.parameters:
+        full = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        for i, t in pieces_of(p):
+            full[i:i + t.numel()].copy_(t)
+        if not replicated:
+            comm.all_reduce(full, _group(engine, p))
+        out[engine.names[p]] = full.view(p.shape)
+    return out
+
+
+def gathered_grads(engine) -> dict[str, torch.Tensor]:
+    """{name: this rank's whole (data-parallel reduced) gradient}, keyed like the state dict."""
+    return _assemble(engine, engine.grad_pieces, engine.grads_replicated)
+
+
+def gathered_params(engine) -> dict[str, torch.Tensor]:
+    """{name: whole parameter}: stage 3 gathers the shards; other stages hold them whole."""
+    if not hasattr(engine, "param_pieces"):
+        return {engine.names[p]: p.detach().clone() for p in engine.parameters}
+    return _assemble(engine, engine.param_pieces, False)
+
+
+@torch.no_grad()
+def load_grads(engine, grads: dict[str, torch.Tensor]) -> None:
+    """Write whole, already reduced gradients into the pieces `engine` keeps (the verifier
+    steps both optimizers on the reference's gradients, so the step is checked on its own)."""
+    for p in engine.parameters:
+        g = grads[engine.names[p]].reshape(-1)
+        for i, t in engine.grad_pieces(p):
+            t.copy_(g[i:i + t.numel()])

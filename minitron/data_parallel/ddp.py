@@ -1,0 +1,279 @@
+"""Data parallelism: every rank a replica, gradients averaged in buckets while backward runs.
+
+    ddp = DataParallel(model, grid, bucket_numel=..., zero_stage=0)   # 0: plain, 1/2: ZeRO
+    opt = ZeroOptimizer(ddp, lr=...)                                  # minitron.data_parallel.zero
+    ddp.zero_grad()
+    for i, (tokens, targets) in enumerate(micro_batches):             # this rank's rows only
+        with ddp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            (model(tokens, targets)[1] / len(micro_batches)).backward()
+    ddp.finish_grad_sync()        # instead of model.finalize_grads(): it does the SP sum too
+    opt.step()
+
+How a gradient travels. Every parameter's `.grad` is a view of one flat gradient buffer
+(buffer.py), cut into buckets. A hook fires when autograd has accumulated a parameter's
+gradient; when the last gradient of a bucket is in, the bucket's collective *starts*
+(comm_async) and backward carries on computing earlier layers: communication overlaps
+computation. `finish_grad_sync` starts whatever is left and waits for everything.
+Buckets start strictly in order (0, 1, ...), so every rank issues the same collectives in the
+same order, as gloo and NCCL require.
+
+What the collective is, by `zero_stage`:
+  0  all-reduce the bucket: every rank holds the whole averaged gradient (plain DP).
+  1  reduce-scatter the bucket: rank r keeps only its 1/n, which is all its optimizer shard
+     needs (ZeRO-1, Megatron's distributed optimizer); the full buffer stays allocated.
+  2  the same reduce-scatter, but the full gradients are not kept: each bucket is copied out of
+     the parameters' .grad, sent, and freed; only the 1/n shard stays (ZeRO-2). Under
+     no_sync the full gradients wait in .grad until the last micro-batch.
+Same wire bytes in all three: a ring all-reduce IS a reduce-scatter followed by an all-gather,
+and stages 1 and 2 all-gather the updated parameters instead of the gradients.
+
+Averaging. The loss on each rank is the mean over its own tokens, so the global loss is the
+mean of the ranks' losses and its gradient the mean of theirs: sum, then divide by the number
+of replicas that saw different data. gloo has no AVG, so each bucket is multiplied by 1/n
+before its collective (as Megatron does). Dense parameters are summed over `dense_dp`
+(dp x cp x ep: all see different tokens); expert parameters (marked `allreduce = False`, as
+in Megatron) over `dp_cp`, the ranks that hold the same expert, but divided by the same
+dense_dp size: the tokens of every expert-parallel rank already reached the expert through
+the all-to-all, so the sum over dp_cp covers all dense_dp ranks' data.
+
+Gradient accumulation: inside `no_sync()` the hooks do nothing, gradients add up in the
+buffer, and only the last micro-batch's backward communicates (once per bucket).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn as nn
+
+from .. import comm, comm_async
+from ..grid import Grid
+from .buffer import FlatLayout, flatten_into
+
+DEFAULT_BUCKET_NUMEL = 40_000_000   # Megatron's default bucket size, in elements
+
+
+def reduction_group(p: nn.Parameter, grid: Grid):
+    """The group a parameter's gradient is summed over (see the module docstring)."""
+    return grid.dp_cp if getattr(p, "allreduce", True) is False else grid.dense_dp
+
+
+def sum_sequence_parallel_grads(engine, grid: Grid) -> None:
+    """Under sequence parallelism, sum the gradients of parameters marked `sequence_parallel`
+    over tp (tensor_parallel/grads.py explains why), on the pieces `engine` keeps: under ZeRO
+    only the owned shard is summed, which is all the optimizer reads. One all-reduce."""
+    if not grid.sequence_parallel or grid.tp.size == 1:
+        return
+    pieces = [t for p in engine.parameters if getattr(p, "sequence_parallel", False)
+              for _, t in engine.grad_pieces(p)]
+    if not pieces:
+        return
+    flat = comm.all_reduce(torch.cat(pieces), grid.tp)
+    offset = 0
+    for t in pieces:
+        t.copy_(flat[offset:offset + t.numel()])
+        offset += t.numel()
+
+
+class _GroupBuffers:
+    """The parameters whose gradients are summed over one group, in one flat layout."""
+
+    def __init__(self, params, group, stage: int, scale: float, bucket_numel: int | None):
+        self.group, self.stage, self.scale = group, stage, scale
+        n, r = group.size, group.rank
+        self.layout = FlatLayout(params, bucket_numel, pad_to=n if stage >= 1 else 1)
+        first = params[0]
+        self.params_flat = flatten_into(self.layout, first.dtype, first.device)
+        buckets = self.layout.buckets
+        self.owned = self.layout.owned(r, n) if stage >= 1 else [(b.start, b.end) for b in buckets]
+        self.grads_flat = self.grad_shard = None
+        if stage < 2:
+            self.grads_flat = torch.zeros_like(self.params_flat)
+            for p in params:
+                p.grad = self.layout.view(self.grads_flat, p)
+        else:
+            self.grad_shard = torch.zeros(sum(e - s for s, e in self.owned), dtype=first.dtype,
+                                          device=first.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready = [0] * len(self.layout.buckets)
+        self.pending: list = [None] * len(self.layout.buckets)
+        self.next_launch = 0
+
+    # ---- the kept (reduced) gradient of each owned element ----------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        if self.stage == 2:
+            return list(self.grad_shard.split([e - s for s, e in self.owned]))
+        return [self.grads_flat[s:e] for s, e in self.owned]
+
+    def owned_params(self) -> list[torch.Tensor]:
+        return [self.params_flat[s:e] for s, e in self.owned]
+
+    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+        """(index into p.view(-1), 1-D view) for each piece of p's gradient this rank keeps."""
+        if self.stage == 0:
+            return [(0, self.layout.view(self.grads_flat, p).view(-1))]
+        o = self.layout.offset[p]
+        store = self.grad_shard if self.stage == 2 else None
+        return [(i, store[j:j + ln] if store is not None else self.grads_flat[o + i:o + i + ln])
+                for i, j, ln in self.layout.pieces(p, self.owned)]
+
+    # ---- buckets ---------------------------------------------------------------------
+    def adopt_grad(self, p: nn.Parameter) -> None:
+        """Stages 0/1: make sure p.grad is its buffer view (zero_grad(set_to_none) replaced it)."""
+        view = self.layout.view(self.grads_flat, p)
+        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def launch(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        if self.stage < 2:
+            data = self.grads_flat[bucket.start:bucket.end]
+        else:   # copy the bucket out of .grad, free .grad: only the shard will stay
+            data = torch.zeros(bucket.numel, dtype=self.params_flat.dtype, device=self.params_flat.device)
+            for p in bucket.params:
+                if p.grad is not None:
+                    o = self.layout.offset[p] - bucket.start
+                    data[o:o + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        data.mul_(self.scale)
+        if self.stage == 0:
+            self.pending[b] = comm_async.all_reduce(data, self.group)
+        else:
+            self.pending[b] = comm_async.reduce_scatter(data, self.group)
+
+    def land(self, b: int) -> None:
+        """Wait for bucket b; ZeRO: put this rank's reduced 1/n where its optimizer reads it."""
+        result = self.pending[b].wait()
+        if self.stage >= 1:
+            self.owned_grads()[b].copy_(result)
+
+
+class DataParallel:
+    """Bucketed, overlapped gradient averaging for `model` over the grid's data-parallel groups.
+
+    `bucket_numel`: elements per bucket (None: one bucket). `zero_stage`: 0, 1 or 2 (see the
+    module docstring); stage 3 is minitron.data_parallel.zero.ZeroStage3. Parameters are moved
+    into one flat buffer (their .data become views of it); build optimizers afterwards.
+    """
+
+    def __init__(self, model: nn.Module, grid: Grid, *, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+                 zero_stage: int = 0):
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"DataParallel handles zero_stage 0, 1 or 2, got {zero_stage!r}; "
+                             "stage 3 shards the parameters too: use ZeroStage3")
+        self.model, self.grid, self.zero_stage = model, grid, zero_stage
+        self.names = {p: n for n, p in model.named_parameters()}
+        params = [p for p in model.parameters() if p.requires_grad]
+        by_group: dict[str, tuple] = {}
+        for p in params:
+            g = reduction_group(p, grid)
+            by_group.setdefault(g.name, (g, []))[1].append(p)
+        scale = 1.0 / grid.dense_dp.size
+        self.buffers = [_GroupBuffers(ps, g, zero_stage, scale, bucket_numel)
+                        for g, ps in by_group.values()]
+        self.buffer_of = {p: gb for gb in self.buffers for p in gb.layout.params}
+        self.sync_enabled = True
+        self.events: list[tuple[str, object, float]] = []   # (what, bucket or name, time): the overlap
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    # ---- the training-loop API -------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (every micro-batch but the last)."""
+        before, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = before
+
+    def finish_grad_sync(self) -> None:
+        """Start the buckets not yet started, wait for all, then sum the sequence-parallel
+        parameters' gradients over tp (what model.finalize_grads does, on the kept pieces)."""
+        for gb in self.buffers:
+            while gb.next_launch < len(gb.layout.buckets):
+                self._launch(gb, gb.next_launch)
+            for b in range(len(gb.layout.buckets)):
+                gb.land(b)
+                self.events.append(("landed", b, time.perf_counter()))
+            gb.reset()
+        sum_sequence_parallel_grads(self, self.grid)
+
+    def zero_grad(self) -> None:
+        for gb in self.buffers:
+            if gb.grads_flat is not None:
+                gb.grads_flat.zero_()
+                for p in gb.layout.params:
+                    p.grad = gb.layout.view(gb.grads_flat, p)
+            else:
+                gb.grad_shard.zero_()
+                for p in gb.layout.params:
+                    p.grad = None
+        self.events.clear()
+
+    # ---- what the optimizer (zero.py) and the checks read ---------------------------
+    def owned_params(self) -> list[torch.Tensor]:
+        return [t for gb in self.buffers for t in gb.owned_params()]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [t for gb in self.buffers for t in gb.owned_grads()]
+
+    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+        return self.buffer_of[p].grad_pieces(p)
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.buffer_of)
+
+    @property
+    def grads_replicated(self) -> bool:
+        """Plain DP: every rank holds every gradient (a norm must count one rank's)."""
+        return self.zero_stage == 0
+
+    def after_step(self) -> None:
+        """ZeRO 1/2: each rank updated its 1/n of the parameters; all-gather them, bucket by bucket."""
+        if self.zero_stage == 0:
+            return
+        for gb in self.buffers:
+            for b, (s, e) in zip(gb.layout.buckets, gb.owned):
+                pending = comm_async.all_gather(gb.params_flat[s:e].clone(), gb.group,
+                                                out=gb.params_flat[b.start:b.end])
+                pending.wait()
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [gb.params_flat for gb in self.buffers]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [gb.grads_flat if gb.grads_flat is not None else gb.grad_shard for gb in self.buffers]
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(gb.layout.numel for gb in self.buffers)
+
+    # ---- hooks -----------------------------------------------------------------------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        gb = self.buffer_of[p]
+        if self.zero_stage < 2:
+            gb.adopt_grad(p)
+        if not self.sync_enabled:
+            return
+        self.events.append(("grad", self.names[p], time.perf_counter()))
+        b = gb.layout.bucket_of[p]
+        gb.ready[b] += 1
+        while (gb.next_launch < len(gb.layout.buckets)
+               and gb.ready[gb.next_launch] == len(gb.layout.buckets[gb.next_launch].params)):
+            self._launch(gb, gb.next_launch)
+
+    def _launch(self, gb: _GroupBuffers, b: int) -> None:
+        self.events.append(("launch", b, time.perf_counter()))
+        gb.launch(b)
+        gb.next_launch = b + 1
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,86 @@
+"""Per-rank bytes of parameters, gradients and optimizer state: measured, and by formula.
+
+Measured means: the storages actually allocated, each counted once (a parameter that is a view
+of a flat buffer is that buffer; a stage-3 parameter whose storage was freed is 0 bytes).
+
+The formulas (ZeRO paper, mixed-precision Adam, Ψ parameters, N data-parallel ranks):
+
+    stage   params   grads    optimizer (fp32 master + 2 moments)
+    0       2Ψ       2Ψ       12Ψ
+    1       2Ψ       2Ψ       12Ψ/N
+    2       2Ψ       2Ψ/N     12Ψ/N
+    3       2Ψ/N     2Ψ/N     12Ψ/N
+
+Ψ here is the parameter count after each bucket (stage 3: each unit) is padded to a multiple
+of N (`engine.padded_numel`); on a model whose buckets already divide by N it is the model's.
+
+Traffic per step, wire bytes per rank (what a ring sends; minitron.comm counts it):
+    stages 0, 1, 2   2 (N-1)/N * 2Ψ      (all-reduce = reduce-scatter + all-gather)
+    stage 3          3 (N-1)/N * 2Ψ      (all-gather twice, reduce-scatter once: 1.5x)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        key = (s.data_ptr(), s.nbytes())
+        if key in seen or s.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += s.nbytes()
+    return total
+
+
+def measure(model: nn.Module, engine, optimizer) -> StateBytes:
+    """The bytes this rank holds now for `model`'s parameters, their gradients and `optimizer`'s
+    state (a ZeroOptimizer, or a torch optimizer: every tensor in its state)."""
+    params = list(model.parameters())
+    if hasattr(optimizer, "state_tensors"):
+        state = optimizer.state_tensors()
+    else:
+        state = [v for s in optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return StateBytes(params=_storage_bytes(params + engine.param_tensors()),
+                      grads=_storage_bytes([p.grad for p in params] + engine.grad_tensors()),
+                      optimizer=_storage_bytes(state))
+
+
+def formula_bytes(psi: int, n: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2,
+                  optimizer_bytes: int = 12) -> StateBytes:
+    """The ZeRO paper's per-rank bytes (see the module docstring); psi must divide by n."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0 (plain data parallel), 1, 2 or 3, got {stage!r}")
+    if stage and psi % n:
+        raise ValueError(f"psi={psi} is not divisible by n={n}: pass the padded count "
+                         "(engine.padded_numel)")
+    shard = lambda b, from_stage: b * psi // n if stage >= from_stage else b * psi
+    return StateBytes(params=shard(param_bytes, 3), grads=shard(grad_bytes, 2),
+                      optimizer=shard(optimizer_bytes, 1))
+
+
+def traffic_wire_bytes(psi: int, n: int, stage: int, elem_bytes: int = 2) -> float:
+    """Wire bytes per rank per step of the data-parallel collectives (module docstring)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    passes = 3 if stage == 3 else 2
+    return passes * (n - 1) / n * elem_bytes * psi

@@ -1,0 +1,196 @@
+"""DataParallel against the reference on the whole global batch, against torch's DDP, and its
+buckets: one message per bucket per step, started while backward still runs.
+
+`dp_rank` is the per-rank body (test_zero.py uses it too): every rank builds the reference GPT,
+its ParallelGPT shard and the engine; runs its rows of the global batch in micro-batches;
+compares the data-parallel-reduced gradients, gathered over tp, with the reference's on the
+whole batch (minitron.verify_checks' float32 tolerance); then, as minitron.verify does, loads
+the reference's gradients into the engine and compares the updated weights with
+torch.optim.AdamW's (update tolerance). Every rank runs the (tiny) reference itself.
+"""
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from minitron import comm, comm_async
+from minitron.data_parallel import (DataParallel, gathered_grads, gathered_params, load_grads,
+                                    wrap)
+from minitron.data_parallel.step import forward_backward
+from minitron.grid import ParallelConfig, build_grid
+from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
+from minitron.model.convert import rules
+from minitron.verify import make_batch, reference_step
+from minitron.verify_checks import float32_tolerance, grad_rows, update_rows
+
+BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4)
+SEED, LR, EPS = 0, 1e-3, 1e-6
+
+
+class _Skipped:
+    """A planted bug: a bucket whose collective never happens (it 'completes' at once)."""
+    done = True
+
+    def __init__(self, t):
+        self.result = t
+
+    def wait(self):
+        return self.result
+
+
+def plant_bug(engine, plant):
+    if plant == "skip_bucket":          # bucket 1's gradients are never averaged
+        gb = engine.buffers[0]
+        launch = gb.launch
+
+        def skipping(b):
+            launch(b)
+            if b == 1:
+                gb.pending[b].wait()
+                bucket = gb.layout.buckets[b]
+                data = gb.grads_flat[bucket.start:bucket.end]
+                data.mul_(gb.group.size)  # undo the 1/n: this rank's own gradient only
+                gb.pending[b] = _Skipped(data)
+        gb.launch = skipping
+    elif plant == "no_divide":          # sum instead of mean
+        for gb in engine.buffers:
+            gb.scale = 1.0
+    elif plant is not None:
+        raise ValueError(plant)
+
+
+def dp_rank(pcfg, mcfg, zero_stage=0, steps=2, micro=1, batch=4, bucket_numel=None, plant=None,
+            dtype=torch.float32):
+    """Returns (rows on rank 0 else None, per-rank info: comm counts, events)."""
+    grid = build_grid(pcfg)
+    ref = GPT(mcfg, SEED).to(dtype)
+    model = ParallelGPT.from_reference(ref, grid)
+    engine, opt = wrap(model, grid, zero_stage, bucket_numel, lr=LR, eps=EPS)
+    plant_bug(engine, plant)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    seq = mcfg.seq_len
+    tol = float32_tolerance(mcfg, batch, seq)
+    rows, info = [], {"calls": [], "wire": [], "events": []}
+    for step in range(steps):
+        tokens, targets = make_batch(step, SEED, batch, seq, mcfg.vocab_size)
+        step_seed = SEED * 1000 + step
+        engine.zero_grad()
+        with comm.counting() as c:
+            forward_backward(model, engine, tokens, targets, micro_batches=micro, step_seed=step_seed)
+            engine.finish_grad_sync()
+        info["calls"].append({k: v["calls"] for k, v in c.as_dict().items()})
+        info["wire"].append(c.wire_bytes(group="dense_dp"))
+        info["events"].append(list(getattr(engine, "events", [])))
+        grads = gather_state_dict(gathered_grads(engine), mcfg, grid)
+        ref.zero_grad(set_to_none=True)
+        reference_step(ref, tokens, targets, step_seed)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        rows += grad_rows(step, grads, ref_grads, tol)
+        # The step on its own: both optimizers step on the reference's gradients.
+        load_grads(engine, shard_state_dict(ref_grads, mcfg, grid))
+        old = gather_state_dict(gathered_params(engine), mcfg, grid)
+        with comm.counting() as c:
+            opt.step()
+        info["wire"][-1] += c.wire_bytes(group="dense_dp")
+        new = gather_state_dict(gathered_params(engine), mcfg, grid)
+        ref_old = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        ref_opt.step()
+        rows += update_rows(step, new, old, {n: p.detach() for n, p in ref.named_parameters()}, ref_old)
+    return (rows if grid.rank == 0 else None), info
+
+
+def _failures(rows):
+    return [f"step {r.step} {r.quantity}: {r.err:.2e} > {r.tol:.0e}" for r in rows if not r.ok]
+
+
+CASES = {
+    "dp2-dropout": (ParallelConfig(dp=2), dict(dropout=0.1), 2),
+    "dp2-tp2-sp-dropout": (ParallelConfig(dp=2, tp=2, sequence_parallel=True),
+                           dict(dropout=0.1, norm="rmsnorm", activation="swiglu"), 4),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dp_matches_reference_on_the_whole_batch(run_ranks, name):
+    pcfg, opts, world = CASES[name]
+    mcfg = ModelConfig(**{**BASE, **opts})
+    rows, info = run_ranks(dp_rank, pcfg, mcfg, 0, 2, 2, 4, 4096, world_size=world)[0]
+    assert not _failures(rows), "\n".join(_failures(rows))
+    assert {r.quantity for r in rows if r.quantity.startswith("grad")}  # every tensor compared
+    # Two micro-batches, yet every bucket was sent once: in the last micro-batch only.
+    calls = info["calls"][0]
+    n_buckets = calls["dense_dp/all_reduce"]
+    assert n_buckets >= 3, calls
+    events = info["events"][0]
+    first_launch = next(i for i, e in enumerate(events) if e[0] == "launch")
+    grads_after = [e for e in events[first_launch:] if e[0] == "grad"]
+    assert grads_after, "no bucket was started before the last gradient was ready: no overlap"
+
+
+def test_grad_accumulation_communicates_once(run_ranks):
+    mcfg = ModelConfig(**BASE)
+    rows, info = run_ranks(dp_rank, ParallelConfig(dp=2), mcfg, 0, 1, 4, 8, None, world_size=2)[0]
+    assert not _failures(rows), "\n".join(_failures(rows))
+    assert info["calls"][0] == {"dense_dp/all_reduce": 1}    # 4 micro-batches, one bucket, one call
+    events = info["events"][0]
+    grads = [e for e in events if e[0] == "grad"]
+    assert len(grads) == len(rules(mcfg))   # hooks counted the last micro-batch's only
+
+
+@pytest.mark.parametrize("plant", ["skip_bucket", "no_divide"])
+def test_planted_bug_is_caught(run_ranks, plant):
+    mcfg = ModelConfig(**BASE)
+    rows, _ = run_ranks(dp_rank, ParallelConfig(dp=2), mcfg, 0, 1, 1, 4, 4096, plant,
+                        world_size=2)[0]
+    bad = [r for r in rows if not r.ok and r.quantity.startswith("grad")]
+    assert bad, f"planted {plant} went unnoticed"
+
+
+# ---- torch's DistributedDataParallel as a peer -------------------------------------------------
+def ddp_peer_rank(mcfg, steps=2):
+    grid = build_grid(ParallelConfig(dp=2))
+    mine, theirs = GPT(mcfg, SEED), GPT(mcfg, SEED)
+    engine = DataParallel(mine, grid, bucket_numel=4096)
+    ddp = DistributedDataParallel(theirs, bucket_cap_mb=1)
+    diffs = []
+    for step in range(steps):
+        tokens, targets = make_batch(step, SEED, 4, mcfg.seq_len, mcfg.vocab_size)
+        rows = slice(2 * grid.dp.rank, 2 * grid.dp.rank + 2)
+        engine.zero_grad()
+        theirs.zero_grad(set_to_none=True)
+        mine(tokens[rows], targets[rows])[1].backward()
+        engine.finish_grad_sync()
+        ddp(tokens[rows], targets[rows])[1].backward()
+        for (n, p), q in zip(mine.named_parameters(), theirs.parameters()):
+            diffs.append((n, (p.grad - q.grad).abs().max().item(), q.grad.abs().max().item()))
+        with torch.no_grad():          # the same (arbitrary) update on both, to move on
+            for p, q in zip(mine.parameters(), theirs.parameters()):
+                p.sub_(0.1 * p.grad.sign())
+                q.sub_(0.1 * q.grad.sign())
+    return diffs
+
+
+def test_grads_equal_torch_ddp(run_ranks):
+    mcfg = ModelConfig(**BASE)
+    tol = float32_tolerance(mcfg, 4, mcfg.seq_len)
+    for diffs in run_ranks(ddp_peer_rank, mcfg, world_size=2):
+        bad = [f"{n}: {d:.2e} (scale {s:.1e})" for n, d, s in diffs if d > tol * s]
+        assert not bad, "\n".join(bad)
+
+
+# ---- comm_async on its own ---------------------------------------------------------------------
+def async_rank():
+    grid = build_grid(ParallelConfig(dp=2))
+    r = grid.dp.rank
+    with comm.counting() as c:
+        ar = comm_async.all_reduce(torch.full((4,), float(r + 1)), grid.dp)
+        rs = comm_async.reduce_scatter(torch.arange(4.0) * (r + 1), grid.dp)
+        ag = comm_async.all_gather(torch.full((2,), float(r)), grid.dp)
+        out = [ar.wait().tolist(), rs.wait().tolist(), ag.wait().tolist()]
+    return out, c.calls(), c.wire_bytes()
+
+
+def test_async_collectives(run_ranks):
+    res = run_ranks(async_rank, world_size=2)
+    assert res[0][0] == [[3.0] * 4, [0.0, 3.0], [0.0, 0.0, 1.0, 1.0]]
+    assert res[1][0][1] == [6.0, 9.0]
+    assert res[0][1] == 3 and res[0][2] == 2 * 0.5 * 16 + 0.5 * 16 + 0.5 * 16
