@@ -222,6 +222,8 @@ def _build(name: str, all_ranks: list[list[int]], me: int) -> Group:
         pg = dist.new_group(ranks, timeout=comm.TIMEOUT) if len(ranks) > 1 else None
         if me in ranks:
             mine = Group(name, ranks, pg)
+    if mine is None and name == "embedding":   # a middle pipeline stage: no embedding to share
+        mine = Group(name, [me])
     assert mine is not None, f"rank {me} is in no {name} group"
     return mine
 

@@ -10,8 +10,8 @@ parts are a fused layout: attention.qkv = [q_r; k_r; v_r] and, for SwiGLU,
 mlp.fc1 = [gate_r; up_r]. Gathering inverts it: all-gather along dim, cut each rank's block
 back into its parts, and concatenate each part's pieces in rank order.
 
-Rules for the blocks are built per layer (`layer_rules(i, ...)`), so a pipeline stage can later
-ask for the rules of its own layer range only.
+Rules for the blocks are built per layer (`layer_rules(i, ...)`), so a pipeline stage asks for
+the rules of its own layers only (`stage_rules`), and gathering works across stages too.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 from .. import comm
 from ..grid import Grid
 from .config import ModelConfig
+from .reference import Block, Embedding, make_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,24 +66,57 @@ def layer_rules(i: int, cfg: ModelConfig) -> list[Rule]:
             *_linear(cfg, f"{mlp}.fc2", (f"{mlp}.fc2",), 1)]
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
-    """Every parameter of ParallelGPT, in a fixed order (gathering is collective)."""
-    out = [Rule("embedding.word.weight", ("embedding.word.weight",), 0)]
-    if cfg.position == "learned":
+def stage_layers(cfg: ModelConfig, stage: int, n_stages: int) -> range:
+    """The blocks of pipeline stage `stage` of `n_stages` (equal chunks, in model order)."""
+    if cfg.n_layers % n_stages:
+        raise ValueError(f"n_layers={cfg.n_layers} cannot be cut into {n_stages} equal pipeline "
+                         f"stages: choose a layer count divisible by pp*virtual={n_stages}")
+    per = cfg.n_layers // n_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_rules(cfg: ModelConfig, stages, n_stages: int) -> list[Rule]:
+    """The parameters of a set of pipeline stages, in rules(cfg)'s order.
+
+    Stage 0 holds the embedding; the last stage the final norm and the output layer. With tied
+    embeddings the last stage, when it is not also stage 0, keeps its own copy of the word
+    embedding under the same name (its gradient is summed with stage 0's: model/parallel.py).
+    """
+    stages, last = set(stages), n_stages - 1
+    out = []
+    if 0 in stages or (last in stages and cfg.tie_embeddings):
+        out.append(Rule("embedding.word.weight", ("embedding.word.weight",), 0))
+    if 0 in stages and cfg.position == "learned":
         out.append(Rule("embedding.position.weight", ("embedding.position.weight",), None))
-    for i in range(cfg.n_layers):
-        out += layer_rules(i, cfg)
-    out += _norm(cfg, "final_norm")
-    if not cfg.tie_embeddings:
-        out.append(Rule("lm_head.weight", ("lm_head.weight",), 0))
+    for s in sorted(stages):
+        for i in stage_layers(cfg, s, n_stages):
+            out += layer_rules(i, cfg)
+    if last in stages:
+        out += _norm(cfg, "final_norm")
+        if not cfg.tie_embeddings:
+            out.append(Rule("lm_head.weight", ("lm_head.weight",), 0))
     return out
 
 
-def shard_state_dict(full_sd: dict, cfg: ModelConfig, grid: Grid) -> dict:
-    """This rank's ParallelGPT state dict cut from a reference GPT state dict (no communication)."""
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """Every parameter of ParallelGPT, in a fixed order (gathering is collective)."""
+    return stage_rules(cfg, [0], 1)
+
+
+def _my_rules(cfg: ModelConfig, grid: Grid, placement) -> list[Rule]:
+    if placement is None:                       # one stage: the whole model on every rank
+        return rules(cfg)
+    return stage_rules(cfg, [s for s, r in enumerate(placement) if r == grid.pp_rank], len(placement))
+
+
+def shard_state_dict(full_sd: dict, cfg: ModelConfig, grid: Grid, placement=None) -> dict:
+    """This rank's ParallelGPT state dict cut from a reference GPT state dict (no communication).
+
+    `placement` (pipeline stage -> pipeline rank, see pipeline/actions.py): keep only the
+    parameters of this rank's stages. None: the whole model."""
     tp, r = grid.tp.size, grid.tp.rank
     local = {}
-    for rule in rules(cfg):
+    for rule in _my_rules(cfg, grid, placement):
         if rule.dim is None:
             local[rule.name] = full_sd[rule.parts[0]].clone()
         else:
@@ -91,14 +125,11 @@ def shard_state_dict(full_sd: dict, cfg: ModelConfig, grid: Grid) -> dict:
     return local
 
 
-def gather_state_dict(local_sd: dict, cfg: ModelConfig, grid: Grid) -> dict:
-    """The reference-layout state dict, assembled on every rank (one all-gather per split tensor).
-
-    Works for any dict with ParallelGPT's keys: weights, or their gradients.
-    """
+def _gather_tp(local_sd: dict, rule_list: list[Rule], grid: Grid) -> dict:
+    """Reference-layout tensors of `rule_list`, from this tp group's shards (collective over tp)."""
     tp = grid.tp.size
     full = {}
-    for rule in rules(cfg):
+    for rule in rule_list:
         t = local_sd[rule.name]
         if rule.dim is None:
             full[rule.parts[0]] = t.clone()
@@ -109,6 +140,50 @@ def gather_state_dict(local_sd: dict, cfg: ModelConfig, grid: Grid) -> dict:
         for k, name in enumerate(rule.parts):
             full[name] = torch.cat([pieces[rank][k] for rank in range(tp)], rule.dim)
     return full
+
+
+def gather_state_dict(local_sd: dict, cfg: ModelConfig, grid: Grid, placement=None) -> dict:
+    """The reference-layout state dict, assembled on every rank.
+
+    Works for any dict with ParallelGPT's keys: weights, or their gradients. One all-gather per
+    split tensor over tp; with a pipeline `placement`, then one broadcast per pipeline rank over
+    pp of everything that rank holds (a tensor two stages hold, the tied embedding, is sent
+    once, by stage 0's rank).
+    """
+    if placement is None:
+        return _gather_tp(local_sd, rules(cfg), grid)
+    mine = _gather_tp(local_sd, _my_rules(cfg, grid, placement), grid)
+    shapes = reference_shapes(cfg)
+    dtype = next(iter(local_sd.values())).dtype
+    owner: dict[str, int] = {}                    # reference name -> the first pp rank holding it
+    for pp_rank in range(grid.pp.size):
+        stages = [s for s, r in enumerate(placement) if r == pp_rank]
+        for rule in stage_rules(cfg, stages, len(placement)):
+            for name in rule.parts:
+                owner.setdefault(name, pp_rank)
+    full = {}
+    for pp_rank in range(grid.pp.size):
+        names = [n for n, r in owner.items() if r == pp_rank]
+        if pp_rank == grid.pp.rank:
+            flat = torch.cat([mine[n].reshape(-1) for n in names])
+        else:
+            flat = torch.empty(sum(shapes[n].numel() for n in names), dtype=dtype, device=grid.device)
+        comm.broadcast(flat, grid.pp, src=pp_rank)
+        for n, piece in zip(names, flat.split([shapes[n].numel() for n in names])):
+            full[n] = piece.view(shapes[n])
+    return {p: full[p] for rule in rules(cfg) for p in rule.parts}
+
+
+def reference_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """The reference GPT's parameter shapes, from modules built on the meta device (no memory)."""
+    with torch.device("meta"):
+        shapes = {f"embedding.{k}": v.shape for k, v in Embedding(cfg).state_dict().items()}
+        block = {k: v.shape for k, v in Block(cfg).state_dict().items()}
+        shapes.update({f"layers.{i}.{k}": v for i in range(cfg.n_layers) for k, v in block.items()})
+        shapes.update({f"final_norm.{k}": v.shape for k, v in make_norm(cfg).state_dict().items()})
+        if not cfg.tie_embeddings:
+            shapes["lm_head.weight"] = torch.Size([cfg.vocab_size, cfg.hidden])
+    return shapes
 
 
 def grads_state_dict(model: torch.nn.Module) -> dict:

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Group
+from .weight_grad import linear   # F.linear, deferrable for zero-bubble schedules (weight_grad.py)
 from .mappings import (copy_to_tensor_model_parallel_region,
                        gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region,
@@ -65,8 +66,8 @@ class ColumnParallelLinear(nn.Module):
         else:                        # f: identity now, all-reduce of dL/dx in backward
             x = copy_to_tensor_model_parallel_region(x, self.group)
         if self.skip_bias_add:
-            return F.linear(x, self.weight), self.bias
-        y = F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight), self.bias
+        y = linear(x, self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -94,7 +95,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:   # a full input: keep our slice of its features, and
             x = scatter_to_tensor_model_parallel_region(x, self.group)  # gather dL/dx in backward
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         if self.sequence_parallel:       # sum the partials and keep our part of the sequence
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group)
         else:                            # g: all-reduce now, identity in backward

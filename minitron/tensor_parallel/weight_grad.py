@@ -1,0 +1,116 @@
+"""Splitting a linear layer's backward into B (dL/dX now) and W (dL/dW later): zero bubble's trick.
+
+For y = x W^T + b the backward is two independent GEMMs:
+
+    B:  dL/dx = dL/dy W          needed at once: the previous pipeline stage is waiting for it
+    W:  dL/dW = dL/dy^T x        needed only by the optimizer step, after the last micro-batch
+
+Zero-bubble pipeline schedules (Qi et al. 2024) run B when the gradient arrives and push W into
+the bubbles. The mechanism is sail-sg/zero-bubble's WeightGradStore: inside the linear layers'
+matmul (a small autograd Function), when deferral is on, backward returns dL/dx and queues the
+dL/dW (and dL/db) computation as a closure under the key of the work being run, a
+(micro-batch, stage) pair; W pops that key's closures and runs them, accumulating into .grad.
+
+Deferral is off by default, and then the layers call F.linear exactly as before. `capture()`
+routes the layers through DeferrableLinear (the executor's forward passes); whether a given
+backward defers is decided when it runs: inside `deferring(key)` it queues, otherwise it computes
+dL/dW at once (a full backward, BW).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Hashable
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """Deferred weight-gradient closures, by key. One store per process (`STORE`)."""
+
+    def __init__(self):
+        self.capturing = False                   # forward: build DeferrableLinear nodes
+        self.key: Hashable | None = None         # backward: queue under this key (None: compute now)
+        self.queues: dict[Hashable, list[tuple[Callable[[], None], int]]] = {}
+
+    def put(self, closure: Callable[[], None], nbytes: int) -> None:
+        """Queue one layer's dL/dW computation; `nbytes`: what the closure alone keeps alive."""
+        self.queues.setdefault(self.key, []).append((closure, nbytes))
+
+    def pop(self, key: Hashable) -> int:
+        """Run (and forget) every closure queued under `key`; returns how many ran."""
+        closures = self.queues.pop(key, [])
+        for closure, _ in closures:
+            closure()
+        return len(closures)
+
+    def pending_bytes(self) -> int:
+        """Bytes held only by queued closures (the output gradients they will multiply)."""
+        return sum(n for queue in self.queues.values() for _, n in queue)
+
+    def clear(self) -> None:
+        self.queues.clear()
+
+
+STORE = WeightGradStore()
+
+
+@contextlib.contextmanager
+def capture():
+    """Forward passes inside build deferrable linear nodes (their backward may defer dL/dW)."""
+    before, STORE.capturing = STORE.capturing, True
+    try:
+        yield STORE
+    finally:
+        STORE.capturing = before
+
+
+@contextlib.contextmanager
+def deferring(key: Hashable):
+    """Backward passes inside queue dL/dW of deferrable nodes under `key` instead of computing it."""
+    before, STORE.key = STORE.key, key
+    try:
+        yield STORE
+    finally:
+        STORE.key = before
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+class DeferrableLinear(torch.autograd.Function):
+    """y = x W^T (+ b), whose backward computes dL/dW now or queues it (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.params = (weight, bias)    # the parameters themselves: a deferred W accumulates into them
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        w_param, b_param = ctx.params
+        grad_x = grad_y @ weight
+        g2, x2 = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
+        if STORE.key is None:                      # a full backward: both gradients now
+            return grad_x, g2.t() @ x2, None if b_param is None else g2.sum(0)
+
+        @torch.no_grad()   # W runs outside autograd's backward: build no graph through x
+        def weight_grad():
+            _accumulate(w_param, g2.t() @ x2)
+            if b_param is not None:
+                _accumulate(b_param, g2.sum(0))
+        STORE.put(weight_grad, grad_y.numel() * grad_y.element_size())
+        return grad_x, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or a DeferrableLinear node while the store is capturing."""
+    if not STORE.capturing:
+        return F.linear(x, weight, bias)
+    return DeferrableLinear.apply(x, weight, bias)
