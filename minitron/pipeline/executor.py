@@ -1,0 +1,257 @@
+"""One executor for every schedule: run a Schedule's actions on the real model, on every rank.
+
+Each pipeline rank walks its own action list (pipeline/actions.py) in order:
+
+  F   run the stage on the micro-batch's input: tokens for stage 0, else what arrived from the
+      previous stage (or was handed over in memory, when that stage is on this rank). The last
+      stage adds the loss of the micro-batch, scaled by 1/microbatches, so the summed gradients
+      are those of the reference's mean over the whole batch.
+  BW  backward through the stage: from the loss on the last stage, else from the gradient of
+      the stage's output that arrived; leaves dL/d(input) to send back.
+  B   the same, but the linear layers queue their weight-gradient GEMMs (weight_grad.py)
+  W   run the queued weight-gradient GEMMs of that (micro-batch, stage)
+  SEND_*/RECV_*  consecutive message actions are posted together as one batch (p2p.py)
+
+After the last action the gradient fix-ups (PipelineGPT.finalize_grads): sequence-parallel sums
+over tp, the tied embedding over the first and last stage.
+
+Dropout masks are keyed by (step seed, global layer, call, global batch row)
+(tensor_parallel/random.py), so before each F the executor says which global rows the
+micro-batch holds (`rng.rows_from`) and the stage names its global layers: the masks are the
+reference's whatever order the schedule runs the work in.
+
+Every compute action is timed (time.perf_counter after a barrier: one clock for every process
+on a machine) into actions.Event rows, so a real run gives an actions.Timeline of the same form
+as the simulator's, and the activation memory it keeps alive is measured (memory.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+
+from .. import comm
+from ..grid import Grid, ParallelConfig, build_grid
+from ..launch import launch
+from ..model.config import ModelConfig
+from ..tensor_parallel import weight_grad
+from .actions import B, BW, COMPUTE, F, SEND_B, SEND_F, W, Action, Event, Schedule, Timeline
+from .memory import ActivationMemory
+from .p2p import exchange, message_shape
+from .partition import PipelineGPT
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one rank saw of one step (None where its stages do not produce it)."""
+    loss: torch.Tensor | None           # the batch's mean loss (sum of the scaled micro-batch losses)
+    logits: list[torch.Tensor] | None   # last stage: each micro-batch's logits shard [mb, s, V/tp]
+    input_grads: list[torch.Tensor] | None   # stage 0: dL/dX of each micro-batch, X = embed(tokens)
+    events: list[Event]                 # this rank's compute actions, as run
+    peak_bytes: int                     # activation bytes alive at the worst moment
+    peak_alive: int                     # (micro-batch, stage) pairs whose activations were alive then
+    unit_bytes: dict                    # (micro-batch, stage) -> bytes its forward saved
+
+
+def check_schedule_fits(schedule: Schedule, model: PipelineGPT, batch: int) -> None:
+    if tuple(schedule.stage_rank) != tuple(model.placement):
+        raise ValueError(f"schedule {schedule.name!r} places stages on ranks {schedule.stage_rank}, "
+                         f"but the model was built for {model.placement}: build PipelineGPT with "
+                         "placement=schedule.stage_rank")
+    if schedule.pp != model.grid.pp.size:
+        raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, the grid has "
+                         f"pp={model.grid.pp.size}")
+    if batch % schedule.microbatches:
+        raise ValueError(f"a batch of {batch} cannot be cut into {schedule.microbatches} equal "
+                         f"micro-batches: use a batch that is a multiple of {schedule.microbatches}")
+
+
+class _Run:
+    """The state of one step on one rank: tensors waiting for their next action, by (mb, stage)."""
+
+    def __init__(self, schedule, model, tokens, targets, plant, keep_outputs):
+        self.schedule, self.model, self.plant, self.keep = schedule, model, plant, keep_outputs
+        self.grid, m = model.grid, schedule.microbatches
+        self.mbs = tokens.shape[0] // m
+        self.tokens, self.targets = tokens.split(self.mbs), targets.split(self.mbs)
+        self.last = schedule.n_stages - 1
+        self.defers = any(a.kind == W for acts in schedule.actions.values() for a in acts)
+        self.inputs, self.outputs, self.grad_out, self.grad_in = {}, {}, {}, {}
+        self.loss = None
+        self.logits, self.input_grads = [None] * m, [None] * m
+        self.shape = message_shape(model.cfg, self.grid, self.mbs, tokens.shape[1])
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.memory = ActivationMemory([*model.parameters(), tokens, targets])
+        self.events: list[Event] = []
+
+    # ---- compute ------------------------------------------------------------------------
+    def forward(self, mb: int, s: int) -> None:
+        model = self.model
+        model.rng.rows_from(mb * self.mbs)     # this micro-batch's rows of the global batch
+        capture = weight_grad.capture() if self.defers else contextlib.nullcontext()
+        with capture, self.memory.recording((mb, s)):
+            if s == 0:
+                x = model.embed(self.tokens[mb])
+                x.retain_grad()                 # dL/dX: the verifier compares it
+            else:
+                x = self.inputs[(mb, s)]
+            self.inputs[(mb, s)] = x
+            out = model.stage_forward(s, x)
+            if s == self.last:
+                if self.keep:
+                    self.logits[mb] = out.detach().clone()
+                loss = model.loss(out, self.targets[mb]) / self.schedule.microbatches
+                self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+                out = loss
+        self.outputs[(mb, s)] = out
+        if s != self.last and self._local(s + 1):   # the next stage is here: hand it over
+            self.inputs[(mb, s + 1)] = out.detach().requires_grad_()
+
+    def backward(self, mb: int, s: int, defer: bool) -> None:
+        out = self.outputs.pop((mb, s))
+        grad = None if s == self.last else self.grad_out.pop((mb, s))
+        deferring = weight_grad.deferring((mb, s)) if defer else contextlib.nullcontext()
+        with deferring:
+            torch.autograd.backward(out, grad)
+        x = self.inputs.pop((mb, s))
+        if s == 0:
+            if self.keep:
+                self.input_grads[mb] = x.grad
+            return
+        grad_in = x.grad
+        if self.plant is not None:
+            grad_in = self.plant.pipeline_grad_in(grad_in, grad, s, self.last)
+        if self._local(s - 1):
+            self.grad_out[(mb, s - 1)] = grad_in
+        else:
+            self.grad_in[(mb, s)] = grad_in
+
+    def weights(self, mb: int, s: int) -> None:
+        if self.plant is not None and self.plant.drops_w(mb, s):
+            weight_grad.STORE.queues.pop((mb, s), None)
+            return
+        weight_grad.STORE.pop((mb, s))
+
+    def _local(self, stage: int) -> bool:
+        return self.schedule.stage_rank[stage] == self.grid.pp.rank
+
+    def compute(self, action: Action) -> None:
+        start = time.perf_counter()
+        if action.kind == F:
+            self.forward(action.microbatch, action.stage)
+        elif action.kind in (B, BW):
+            self.backward(action.microbatch, action.stage, defer=action.kind == B)
+        else:
+            self.weights(action.microbatch, action.stage)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)    # the kernels' end, not their launch
+        end = time.perf_counter()
+        self.events.append(Event(self.grid.pp.rank, action.kind, action.microbatch, action.stage,
+                                 start, end))
+        self.memory.sample()
+
+    # ---- messages -----------------------------------------------------------------------
+    def messages(self, batch: list[Action]) -> None:
+        outgoing = {}
+        for a in batch:
+            if a.kind == SEND_F:
+                outgoing[a] = self.outputs[(a.microbatch, a.stage)]
+            elif a.kind == SEND_B:
+                outgoing[a] = self.grad_in.pop((a.microbatch, a.stage))
+        received = exchange(batch, outgoing, self.shape, self.dtype, self.device, self.grid.pp)
+        for a, t in received.items():
+            if a.kind == "RECV_F":
+                self.inputs[(a.microbatch, a.stage)] = t.requires_grad_()
+            else:
+                self.grad_out[(a.microbatch, a.stage)] = t
+
+    def run(self, actions) -> None:
+        batch: list[Action] = []
+        for action in actions:
+            if action.kind in COMPUTE:
+                if batch:
+                    self.messages(batch)
+                    batch = []
+                self.compute(action)
+            else:
+                batch.append(action)
+        if batch:
+            self.messages(batch)
+
+
+def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
+                 *, plant=None, keep_outputs: bool = True) -> StepResult:
+    """Run this rank's part of `schedule` on the global batch (the same tokens on every rank).
+
+    Call model.rng.reset(step seed) first, like any step; gradients accumulate into .grad and
+    are finalized (tp and tied-embedding sums) before it returns. `plant` (tests): a
+    verify_plants.Plant whose pipeline faults to put in."""
+    check_schedule_fits(schedule, model, tokens.shape[0])
+    run = _Run(schedule, model, tokens, targets, plant, keep_outputs)
+    weight_grad.STORE.clear()
+    comm.barrier(comm.Group("world", range(model.grid.world_size)))   # one start line for the clocks
+    run.run(schedule.actions[model.grid.pp.rank])
+    if weight_grad.STORE.queues:
+        left = sorted(weight_grad.STORE.queues, key=str)
+        weight_grad.STORE.clear()
+        raise ValueError(f"schedule {schedule.name!r} left weight gradients of {left} un-run: "
+                         "every B needs its W")
+    leftover = [k for d in (run.outputs, run.grad_out, run.grad_in) for k in d]
+    if leftover:
+        raise ValueError(f"schedule {schedule.name!r} ended with work still waiting for "
+                         f"(micro-batch, stage) {sorted(set(leftover))}: a backward or a send is missing")
+    model.finalize_grads()
+    return StepResult(run.loss, run.logits if model.holds_last and keep_outputs else None,
+                      run.input_grads if model.holds_first and keep_outputs else None,
+                      run.events, run.memory.peak_bytes, run.memory.peak_alive,
+                      dict(run.memory.unit_bytes))
+
+
+# ---- measured timelines ------------------------------------------------------------------------
+def gather_timeline(schedule: Schedule, events: list[Event], grid: Grid) -> Timeline:
+    """Every pipeline rank's events, on every rank (one counted all-gather over pp), with time
+    measured from the earliest start, in seconds."""
+    width = max(len(schedule.compute(r)) for r in range(schedule.pp))
+    rows = torch.full((width, 6), -1.0, dtype=torch.float64, device=grid.device)
+    for i, e in enumerate(events):
+        rows[i] = torch.tensor([e.rank, COMPUTE.index(e.kind), e.microbatch, e.stage, e.start, e.end],
+                               dtype=torch.float64)
+    every = comm.all_gather(rows.unsqueeze(0), grid.pp, dim=0).reshape(-1, 6).cpu()
+    every = every[every[:, 0] >= 0]
+    t0 = every[:, 4].min().item()
+    return Timeline(schedule.name, schedule.pp, [
+        Event(int(r), COMPUTE[int(k)], int(mb), int(s), start - t0, end - t0)
+        for r, k, mb, s, start, end in every.tolist()])
+
+
+def _measure_rank(schedule: Schedule, mcfg: ModelConfig, pcfg: ParallelConfig, batch: int,
+                  seed: int, steps: int) -> Timeline | None:
+    grid = build_grid(pcfg)
+    model = PipelineGPT(mcfg, grid, schedule.stage_rank, seed=seed).train()
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, mcfg.vocab_size, (batch, mcfg.seq_len + 1), generator=gen).to(grid.device)
+    for step in range(steps):     # the first runs pay one-off costs (allocations, lazy inits)
+        model.zero_grad(set_to_none=True)
+        model.rng.reset(seed * 1_000 + step)
+        result = run_schedule(schedule, model, data[:, :-1], data[:, 1:], keep_outputs=False)
+    timeline = gather_timeline(schedule, result.events, grid)
+    return timeline if grid.rank == 0 else None
+
+
+def measure(schedule: Schedule, model_config: ModelConfig, parallel_config: ParallelConfig | None = None,
+            batch: int | None = None, seed: int = 0, steps: int = 2) -> Timeline:
+    """Run `schedule` on real processes (one per rank) and return the measured Timeline of the
+    last of `steps` steps: every rank's F, B, W, BW with start and end in seconds.
+
+    parallel_config defaults to ParallelConfig(pp=schedule.pp); batch to one sample per
+    micro-batch. The ranks are started with minitron.launch (gloo on CPU, NCCL on GPUs)."""
+    pcfg = parallel_config or ParallelConfig(pp=schedule.pp)
+    if pcfg.pp != schedule.pp:
+        raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, the parallel config "
+                         f"has pp={pcfg.pp}")
+    batch = batch or schedule.microbatches
+    return launch(_measure_rank, schedule, model_config, pcfg, batch, seed, steps,
+                  world_size=pcfg.world_size)[0]
