@@ -25,7 +25,6 @@ a full stage's activations for one micro-batch. GPipe's peak is m; 1F1B's first 
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 from fractions import Fraction
 

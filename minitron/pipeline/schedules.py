@@ -61,9 +61,11 @@ def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]]
                 if a.kind != W:
                     ready["F" if a.kind == F else "B", a.microbatch, a.stage] = clock[r]
                 moved = True
-    stuck = {r: str(order[len(times[r])]) for r, order in compute.items() if len(times[r]) < len(order)}
+    stuck = {r: str(order[len(times[r])]) for r, order in compute.items()
+             if len(times[r]) < len(order)}
     if stuck:
-        raise ValueError(f"compute orders wait on each other forever; each rank's next action: {stuck}")
+        raise ValueError("compute orders wait on each other forever; each rank's next action: "
+                         f"{stuck}")
     return times
 
 
@@ -114,8 +116,9 @@ def _validate(name: str, pp: int, microbatches: int, virtual: int, allowed: tupl
         raise ValueError(f"{name}: pp and microbatches must be >= 1, got pp={pp}, "
                          f"microbatches={microbatches}")
     if virtual not in allowed:
-        raise ValueError(f"{name}: virtual={virtual} is not supported; use virtual in {allowed}"
-                         + (" (choose 'interleaved' for more chunks per rank)" if allowed == (1,) else ""))
+        hint = " (choose 'interleaved' for more chunks per rank)" if allowed == (1,) else ""
+        raise ValueError(f"{name}: virtual={virtual} is not supported; use virtual in "
+                         f"{allowed}{hint}")
 
 
 def gpipe(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
