@@ -1,0 +1,112 @@
+"""python -m minitron.pipeline: a schedule's bubble and memory, simulated (and measured), drawn.
+
+    python -m minitron.pipeline --schedule 1f1b --pp 4 --microbatches 8
+    python -m minitron.pipeline --schedule interleaved --pp 4 --microbatches 8 --virtual 2 --plot t.png
+    python -m minitron.pipeline --schedule zb-h1 --pp 2 --microbatches 4 --costs 1,1,1 --measure
+
+Prints the simulated bubble fraction (idle share of pp x makespan, and the bubble in units of
+the ideal time), the checker's peak activations per rank, and, with --measure, the bubble of
+the same schedule run by the executor on real processes. Bad input: one line on stderr, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from fractions import Fraction
+
+from .check import check
+from .schedules import SCHEDULES, make_schedule
+from .simulate import Costs, simulate
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minitron.pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
+    p.add_argument("--virtual", type=int, default=None,
+                   help="model chunks per rank (default: the schedule's own, 2 for interleaved and zb-v)")
+    p.add_argument("--costs", default="1,1,1", help="F,B,W time of one stage's micro-batch (default 1,1,1)")
+    p.add_argument("--latency", default="0", help="time of one message in flight (default 0)")
+    p.add_argument("--measure", action="store_true", help="also run it on real processes and time it")
+    p.add_argument("--plot", metavar="PNG", help="draw the timeline(s) to this file")
+    return p
+
+
+def parse_costs(costs: str, latency: str) -> Costs:
+    """'1,2,1' and '0.5' -> Costs(F=1, B=2, W=1, latency=1/2), kept exact as fractions."""
+    parts = costs.split(",")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        values = [Fraction(x.strip()) for x in parts] + [Fraction(latency.strip())]
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"--costs takes three numbers F,B,W such as 1,2,1 and --latency one "
+                         f"number, got --costs {costs!r} --latency {latency!r}") from None
+    return Costs(*values)
+
+
+def build(name: str, pp: int, microbatches: int, virtual: int | None):
+    if virtual is None and name in SCHEDULES:
+        return SCHEDULES[name](pp, microbatches)        # the schedule's default chunk count
+    return make_schedule(name, pp, microbatches, 1 if virtual is None else virtual)
+
+
+def describe(schedule, costs: Costs) -> list[str]:
+    timeline, report = simulate(schedule, costs), check(schedule)
+    return [f"schedule {schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
+            f"virtual={schedule.virtual}; costs F:B:W = {costs.F}:{costs.B}:{costs.W}, "
+            f"latency {costs.latency}",
+            f"simulated bubble fraction: {float(timeline.bubble_fraction):.3f} (idle share of "
+            f"pp x makespan; bubble / ideal time: {float(timeline.bubble_ratio):.3f})",
+            "peak activations per rank (micro-batches in flight, full-stage units): "
+            + ", ".join(f"rank {r}: {float(p):.3g}" for r, p in sorted(report.peak_activations.items()))]
+
+
+def measurer():
+    """The executor's measure(schedule) -> Timeline, or a ValueError saying it is not there."""
+    try:
+        from .executor import measure
+    except ImportError:
+        raise ValueError("--measure needs minitron.pipeline.executor.measure, which is not built "
+                         "yet; run without --measure") from None
+    return measure
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        costs = parse_costs(args.costs, args.latency)
+        schedule = build(args.schedule, args.pp, args.microbatches, args.virtual)
+        if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            raise ValueError(f"--plot {args.plot}: its folder does not exist; create it first")
+        lines = describe(schedule, costs)
+        measure = measurer() if args.measure else None
+    except ValueError as e:          # ScheduleError is a ValueError too
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    simulated = simulate(schedule, costs)
+    measured = None
+    if measure is not None:
+        measured = measure(schedule)
+        print(f"measured bubble fraction: {float(measured.bubble_fraction):.3f} "
+              f"(a run on {schedule.pp} processes, makespan {measured.makespan:.3g} s)")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")        # a file, no window
+        from .plot import draw_comparison, draw_timeline
+        peaks = check(schedule).peak_activations
+        if measured is None:
+            ax = draw_timeline(simulated, unit="time (cost units)", peaks=peaks)
+            fig = ax.figure
+        else:
+            fig = draw_comparison(simulated, measured, peaks=peaks)
+        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+        print(f"timeline drawn to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
