@@ -52,8 +52,10 @@ def plant_bug(engine, plant):
                 gb.pending[b] = _Skipped(data)
         gb.launch = skipping
     elif plant == "no_divide":          # sum instead of mean
-        for gb in engine.buffers:
+        for gb in getattr(engine, "buffers", [engine]):
             gb.scale = 1.0
+    elif plant == "skip_all_gather":    # ZeRO: each rank keeps only its own shard's update
+        engine.after_step = lambda: None
     elif plant is not None:
         raise ValueError(plant)
 
