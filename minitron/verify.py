@@ -29,6 +29,7 @@ so in the header.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -44,18 +45,18 @@ from .model.fused import check_kernels
 from .model.parallel import ParallelGPT
 from .model.reference import GPT
 from .optim import FusedAdamW
+from .pipeline.executor import collect_outputs, run_schedule
+from .pipeline.partition import PipelineGPT
+from .pipeline.schedules import SCHEDULES, make_schedule
 from .verify_checks import (Report, Row, float32_tolerance, grad_rows, replica_rows,
                             sum_rows, update_rows)
 from .verify_plants import Plant
 
 
 # Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
-UNBUILT = {"pp": ("pipeline parallelism", "pipeline stages and schedules, lesson 04"),
-           "dp": ("data parallelism", "data parallel and ZeRO, lesson 06"),
+UNBUILT = {"dp": ("data parallelism", "data parallel and ZeRO, lesson 06"),
            "cp": ("context parallelism", "ring attention, lesson 09"),
-           "ep": ("expert parallelism", "mixture of experts, lesson 08"),
-           "virtual_pp": ("interleaved (virtual) pipeline parallelism",
-                          "interleaved schedules, lesson 04")}
+           "ep": ("expert parallelism", "mixture of experts, lesson 08")}
 
 
 def check_built(pcfg: ParallelConfig) -> None:
@@ -125,16 +126,50 @@ def _from_rank0(tensors: dict, grid) -> dict:
     return out
 
 
+def pipeline_schedule(pcfg: ParallelConfig, name: str | None = None,
+                      microbatches: int | None = None):
+    """The pipeline Schedule verify runs, or None for the plain step (pp = virtual = 1, no name).
+
+    Defaults: 1F1B (interleaved with virtual > 1), 2*pp micro-batches; ZB-V always has two
+    chunks per rank."""
+    if name is None and pcfg.pp == 1 and pcfg.virtual_pp == 1:
+        return None
+    name = name or ("interleaved" if pcfg.virtual_pp > 1 else "1f1b")
+    virtual = 2 if name == "zb-v" and pcfg.virtual_pp == 1 else pcfg.virtual_pp
+    return make_schedule(name, pcfg.pp, microbatches or 2 * pcfg.pp, virtual)
+
+
+def _step(model, schedule, planted: Plant, tokens, targets, step_seed: int):
+    """One step on either model: (logits [b, s, V], loss, dL/dX [b, s, h]) on every rank."""
+    grid = model.grid
+    if schedule is None:
+        x, logits, loss = parallel_step(model, tokens, targets, step_seed)
+        planted.grads(model, grid)
+        dx = comm.all_gather(x.grad, grid.tp, dim=1) if grid.sequence_parallel else x.grad
+        return comm.all_gather(logits.detach(), grid.tp, dim=-1), loss, dx
+    model.rng.reset(step_seed)
+    result = run_schedule(schedule, model, tokens, targets, plant=planted)
+    planted.grads(model, grid)
+    return collect_outputs(result, model, *tokens.shape)
+
+
 def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.dtype = torch.float32,
              seed: int = 0, lr: float = 1e-4, eps: float = 1e-6, batch: int = 2,
-             seq: int | None = None, plant: str | None = None) -> list[Row] | None:
+             seq: int | None = None, plant: str | None = None, schedule=None) -> list[Row] | None:
     """The body every rank runs; rank 0 also runs the reference and returns the rows.
 
+    `schedule` (a pipeline Schedule, see pipeline_schedule): the model is cut into its stages
+    and every step runs it with the pipeline executor; the batch is cut into its micro-batches.
     `plant` (tests only, see verify_plants.PLANTS) puts a deliberate error into the run."""
     grid = build_grid(pcfg)
     lead, seq, planted = grid.rank == 0, seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
-    model = ParallelGPT.from_reference(ref, grid)
+    placement = schedule.stage_rank if schedule is not None else None
+    if schedule is None:
+        model = ParallelGPT.from_reference(ref, grid)
+    else:
+        model = PipelineGPT.from_reference(ref, grid, placement)
+    tied_across_stages = getattr(model, "tied_across_ranks", False)
     ref.to(grid.device)   # masks are drawn on the tensors' device: the same stream as the ranks'
     # The kernels' run steps with the fused AdamW kernel too; the reference never does.
     adamw = FusedAdamW if mcfg.use_kernels else torch.optim.AdamW
@@ -145,14 +180,12 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     for step in range(steps):
         tokens, targets = (t.to(grid.device) for t in make_batch(step, seed, batch, seq, mcfg.vocab_size))
         step_seed = seed * 1_000 + step       # each step's dropout masks, on both sides
-        x, logits, loss = parallel_step(model, tokens, targets, step_seed)
-        planted.grads(model, grid)
+        logits, loss, dx = _step(model, schedule, planted, tokens, targets, step_seed)
         # Gather what rank 0 compares (collectives: every rank takes part).
-        full_logits = planted.logits(comm.all_gather(logits.detach(), grid.tp, dim=-1))
-        dx = comm.all_gather(x.grad, grid.tp, dim=1) if grid.sequence_parallel else x.grad
+        full_logits = planted.logits(logits)
         local_grads = grads_state_dict(model)
-        grads = gather_state_dict(local_grads, mcfg, grid)
-        grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid)
+        grads = gather_state_dict(local_grads, mcfg, grid, placement)
+        grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid, tied_across_stages)
         if lead:
             ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed)
             rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (loss, ref_loss),
@@ -162,15 +195,15 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         ref_grads = _from_rank0({n: p.grad if lead else torch.empty_like(p)
                                  for n, p in ref.named_parameters()}, grid)
         with torch.no_grad():
-            for name, shard in shard_state_dict(ref_grads, mcfg, grid).items():
+            for name, shard in shard_state_dict(ref_grads, mcfg, grid, placement).items():
                 model.get_parameter(name).grad.copy_(shard)
-        old = gather_state_dict(model.state_dict(), mcfg, grid)
+        old = gather_state_dict(model.state_dict(), mcfg, grid, placement)
         planted.before_step(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         planted.after_step(model, grid)
-        weight_replicas = replica_rows(step, "weights", model.state_dict(), mcfg, grid)
-        new = gather_state_dict(model.state_dict(), mcfg, grid)
+        weight_replicas = replica_rows(step, "weights", model.state_dict(), mcfg, grid, tied_across_stages)
+        new = gather_state_dict(model.state_dict(), mcfg, grid, placement)
         if lead:
             ref_old = {n: p.detach().clone() for n, p in ref.named_parameters()}
             ref_opt.step()
@@ -182,14 +215,25 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
 
 def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
-           batch: int = 2, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-           plant: str | None = None) -> Report:
+           batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+           plant: str | None = None, schedule: str | None = None,
+           microbatches: int | None = None) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
+    With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
+    is cut into pipeline stages and run by the pipeline executor (see pipeline_schedule);
+    `batch` defaults to one sample per micro-batch (2 without a pipeline).
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
     (see enable_kernels).
     """
     check_built(parallel_config)
+    sched = pipeline_schedule(parallel_config, schedule, microbatches)
+    if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
+        parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
+    batch = batch or (sched.microbatches if sched is not None else 2)
+    if sched is not None and batch % sched.microbatches:
+        raise ValueError(f"a batch of {batch} cannot be cut into {sched.microbatches} equal "
+                         f"micro-batches: use a multiple of {sched.microbatches}")
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
@@ -202,7 +246,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
-                  plant, world_size=parallel_config.world_size, timeout=timeout)[0]
+                  plant, sched, world_size=parallel_config.world_size, timeout=timeout)[0]
     return Report(rows)
 
 
@@ -216,6 +260,9 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 2 --sp
   python -m minitron.verify --tp 2 --sp --norm rmsnorm --activation swiglu --position rope --kv-heads 2
   python -m minitron.verify --tp 2 --sp --kernels      fused Triton kernels and FusedAdamW
+  python -m minitron.verify --tp 1 --pp 2 --schedule zb-h1 --microbatches 4
+  python -m minitron.verify --tp 2 --sp --pp 2 --schedule 1f1b --microbatches 4
+  python -m minitron.verify --tp 1 --pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8
 
 exit status: 0 PASS, 1 FAIL, 2 bad options"""
 
@@ -237,8 +284,15 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks launched)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
-    for opt, field in (("--pp", "pp"), ("--dp", "dp"), ("--cp", "cp"), ("--ep", "ep"),
-                       ("--virtual", "virtual_pp")):
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages' ranks)")
+    g.add_argument("--virtual", type=int, default=1, dest="virtual_pp",
+                   help="model chunks (stages) per pipeline rank: interleaved schedules")
+    g.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
+                   help="pipeline schedule (default with --pp > 1: 1f1b, interleaved with --virtual > 1; "
+                        "zb-v always has 2 chunks per rank)")
+    g.add_argument("--microbatches", type=_positive, default=None,
+                   help="micro-batches per step of a pipeline schedule (default 2 * pp)")
+    for opt, field in (("--dp", "dp"), ("--cp", "cp"), ("--ep", "ep")):
         g.add_argument(opt, type=int, default=1, dest=field, help=f"{UNBUILT[field][0]} (not built yet)")
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=_positive, default=3)
@@ -246,7 +300,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
-    r.add_argument("--batch", type=_positive, default=2)
+    r.add_argument("--batch", type=_positive, default=None,
+                   help="sequences per step (default: one per micro-batch with a pipeline, else 2)")
     r.add_argument("--kernels", action="store_true",
                    help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
                         "activations, loss) and FusedAdamW; on CPU ranks through the Triton "
@@ -274,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp)
         check_built(pcfg)
+        sched = pipeline_schedule(pcfg, args.schedule, args.microbatches)
+        if sched is not None:
+            pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
+        batch = args.batch or (sched.microbatches if sched is not None else 2)
+        if sched is not None and batch % sched.microbatches:
+            raise ValueError(f"--batch {batch} cannot be cut into {sched.microbatches} equal "
+                             f"micro-batches: use a multiple of {sched.microbatches}")
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
                            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                            norm=args.norm, activation=args.activation, position=args.position,
@@ -289,10 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{pcfg}\n{mcfg}\nbatch={args.batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
-          f"lr={args.lr} eps={args.eps}\n{kernels}")
+    pipeline = "" if sched is None else (f"\nschedule={sched.name} microbatches={sched.microbatches} "
+                                         f"virtual={sched.virtual} stage_rank={sched.stage_rank}")
+    print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
+          f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
-                    batch=args.batch, plant=args.plant)
+                    batch=batch, plant=args.plant, schedule=args.schedule,
+                    microbatches=args.microbatches)
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1

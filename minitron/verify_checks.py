@@ -207,30 +207,35 @@ def sum_rows(step: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], tol
 
 
 # ---- replicas ---------------------------------------------------------------------------------
-def replica_groups(rule: Rule) -> list[str]:
+def replica_groups(rule: Rule, tied_across_stages: bool = False) -> list[str]:
     """The groups across which this parameter is held whole (and must stay identical).
 
     Not split along tp: replicated over tp. Every parameter is replicated over dp and cp (data
     and context parallelism copy the model); groups of one rank are skipped by the caller.
-    A pipeline's tied embedding (first stage's embedding = last stage's output layer) joins
-    here when pipeline stages land, as the "embedding" group.
+    A pipeline's tied word embedding, when the first and the last stage are on different ranks
+    (both hold a copy: pipeline/partition.py), is replicated over the "embedding"
+    group.
     """
     groups = ["dp", "cp"]
     if rule.dim is None:
         groups.insert(0, "tp")
+    if tied_across_stages and rule.name == "embedding.word.weight":
+        groups.append("embedding")
     return groups
 
 
-def replica_rows(step: int, kind: str, local: dict, cfg: ModelConfig, grid: Grid) -> list[Row]:
+def replica_rows(step: int, kind: str, local: dict, cfg: ModelConfig, grid: Grid,
+                 tied_across_stages: bool = False) -> list[Row]:
     """All-gather every replicated tensor over its group and compare bitwise (collective).
 
     One row: err = the largest relative difference between two copies (0 when identical),
-    tol = 0, and the first offending tensor and ranks in `detail`.
+    tol = 0, and the first offending tensor and ranks in `detail`. `local` may hold only some
+    of the rules' tensors (a pipeline rank's stages): every rank in a group holds the same.
     """
     by_group: dict[str, list[str]] = {}
     for rule in rules(cfg):
         if rule.name in local:
-            for g in replica_groups(rule):
+            for g in replica_groups(rule, tied_across_stages):
                 if getattr(grid, g).size > 1:
                     by_group.setdefault(g, []).append(rule.name)
     worst, detail = 0.0, ""

@@ -3,7 +3,8 @@
 
 Each plant breaks one thing at one point of a step and should be caught by exactly one kind of
 row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
-tensor's update, or in one logit.
+tensor's update, or in one logit; in the pipeline executor, a gradient delivered to the wrong
+stage or a W dropped.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ PLANTS = {
     "grad": "one gradient 1% off on every rank (default layers.0.mlp.fc1.weight)",
     "update": "one tensor's update 1% too large on every rank (default layers.0.mlp.fc1.weight)",
     "logit": "the largest logit 1% off (the compared copy)",
+    "pp-wrong-stage": "pipeline: a stage passes back the gradient it received (dL/d its output) "
+                      "instead of dL/d its input, so the gradient reaches the wrong stage",
+    "pp-drop-w": "pipeline: the W of micro-batch 0 on stage 0 is dropped (its dL/dW never runs)",
 }
 
 
@@ -61,6 +65,18 @@ class Plant:
         i = full.abs().argmax()
         full.view(-1)[i] *= 1.01
         return full
+
+    # ---- pipeline executor faults (pipeline/executor.py asks) ----
+    def pipeline_grad_in(self, grad_in: torch.Tensor, grad_out: torch.Tensor | None, stage: int,
+                         last: int) -> torch.Tensor:
+        """What stage `stage` passes back: dL/d(input), or under pp-wrong-stage the gradient of
+        its output it was given (a middle stage only: the last stage's is the loss)."""
+        if self.kind == "pp-wrong-stage" and grad_out is not None:
+            return grad_out
+        return grad_in
+
+    def drops_w(self, microbatch: int, stage: int) -> bool:
+        return self.kind == "pp-drop-w" and (microbatch, stage) == (0, 0)
 
     def before_step(self, model) -> None:
         if self.kind == "update":

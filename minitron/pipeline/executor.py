@@ -210,6 +210,29 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
                       dict(run.memory.unit_bytes))
 
 
+def collect_outputs(result: StepResult, model: PipelineGPT, batch: int, seq: int):
+    """(logits [b, s, V], loss, dL/dX [b, s, h]) of the whole batch on every rank, for comparing
+    with one device: gathered over tp where they are split, then broadcast over pp from the
+    rank of the stage that made them (collective over tp and pp)."""
+    grid, cfg = model.grid, model.cfg
+    dtype, device = next(model.parameters()).dtype, grid.device
+
+    def from_stage(stage: int, local, shape, split_dim: int | None, dtype=dtype):
+        if local is not None:
+            local = torch.cat(local) if isinstance(local, list) else local.reshape(shape)
+            if split_dim is not None:
+                local = comm.all_gather(local.contiguous(), grid.tp, dim=split_dim)
+        out = local.contiguous() if local is not None else torch.empty(shape, dtype=dtype, device=device)
+        return comm.broadcast(out, grid.pp, src=model.placement[stage])
+
+    last = model.n_stages - 1
+    logits = from_stage(last, result.logits, (batch, seq, cfg.vocab_size), -1)
+    loss = from_stage(last, result.loss, (), None, torch.float32)   # the loss is float32 (cross_entropy.py)
+    dx = from_stage(0, result.input_grads, (batch, seq, cfg.hidden),
+                    1 if grid.sequence_parallel else None)
+    return logits, loss, dx
+
+
 # ---- measured timelines ------------------------------------------------------------------------
 def gather_timeline(schedule: Schedule, events: list[Event], grid: Grid) -> Timeline:
     """Every pipeline rank's events, on every rank (one counted all-gather over pp), with time
