@@ -19,7 +19,8 @@ from minitron.data_parallel.step import forward_backward
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
 from minitron.model.convert import rules
-from minitron.verify import make_batch, reference_step
+from minitron.precision import MasterWeightsAdamW, tolerance16
+from minitron.verify import make_batch
 from minitron.verify_checks import float32_tolerance, grad_rows, update_rows
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4)
@@ -60,42 +61,55 @@ def plant_bug(engine, plant):
         raise ValueError(plant)
 
 
+def reference_grads(ref, tokens, targets, step_seed, loss_scale=1.0):
+    """The reference's gradients on the whole batch (of the loss times loss_scale)."""
+    ref.zero_grad(set_to_none=True)
+    ref.rng.reset(step_seed)
+    _, loss = ref(tokens, targets)
+    (loss * loss_scale).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
 def dp_rank(pcfg, mcfg, zero_stage=0, steps=2, micro=1, batch=4, bucket_numel=None, plant=None,
-            dtype=torch.float32):
-    """Returns (rows on rank 0 else None, per-rank info: comm counts, events)."""
+            dtype=torch.float32, loss_scale=1.0):
+    """Returns (rows on rank 0 else None, per-rank info: comm counts, events).
+
+    In 16-bit the reference is the same model in the same dtype stepped by MasterWeightsAdamW
+    (fp32 masters, torch's AdamW), and gradients are held to precision.tolerance16."""
     grid = build_grid(pcfg)
     ref = GPT(mcfg, SEED).to(dtype)
     model = ParallelGPT.from_reference(ref, grid)
     engine, opt = wrap(model, grid, zero_stage, bucket_numel, lr=LR, eps=EPS)
     plant_bug(engine, plant)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     seq = mcfg.seq_len
-    tol = float32_tolerance(mcfg, batch, seq)
+    if dtype == torch.float32:
+        ref_opt, tol = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS), float32_tolerance(mcfg, batch, seq)
+    else:
+        ref_opt, tol = MasterWeightsAdamW(ref, lr=LR, eps=EPS), tolerance16(dtype)
     rows, info = [], {"calls": [], "wire": [], "events": []}
     for step in range(steps):
         tokens, targets = make_batch(step, SEED, batch, seq, mcfg.vocab_size)
         step_seed = SEED * 1000 + step
         engine.zero_grad()
         with comm.counting() as c:
-            forward_backward(model, engine, tokens, targets, micro_batches=micro, step_seed=step_seed)
+            forward_backward(model, engine, tokens, targets, micro_batches=micro, step_seed=step_seed,
+                             loss_scale=loss_scale)
             engine.finish_grad_sync()
         info["calls"].append({k: v["calls"] for k, v in c.as_dict().items()})
         info["wire"].append(c.wire_bytes(group="dense_dp"))
         info["events"].append(list(getattr(engine, "events", [])))
         grads = gather_state_dict(gathered_grads(engine), mcfg, grid)
-        ref.zero_grad(set_to_none=True)
-        reference_step(ref, tokens, targets, step_seed)
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        ref_grads = reference_grads(ref, tokens, targets, step_seed, loss_scale)
         rows += grad_rows(step, grads, ref_grads, tol)
         # The step on its own: both optimizers step on the reference's gradients.
         load_grads(engine, shard_state_dict(ref_grads, mcfg, grid))
         old = gather_state_dict(gathered_params(engine), mcfg, grid)
         with comm.counting() as c:
-            opt.step()
+            opt.step(grad_scale=loss_scale)
         info["wire"][-1] += c.wire_bytes(group="dense_dp")
         new = gather_state_dict(gathered_params(engine), mcfg, grid)
         ref_old = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        ref_opt.step()
+        ref_opt.step(**({} if dtype == torch.float32 else {"grad_scale": loss_scale}))
         rows += update_rows(step, new, old, {n: p.detach() for n, p in ref.named_parameters()}, ref_old)
     return (rows if grid.rank == 0 else None), info
 
