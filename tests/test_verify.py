@@ -162,12 +162,32 @@ def test_cli_planted_drift_exits_1():
 
 
 @pytest.mark.parametrize("option,what", [
-    ("--pp", "pipeline parallelism"), ("--dp", "data parallelism"),
-    ("--cp", "context parallelism"), ("--ep", "expert parallelism"),
-    ("--virtual", "interleaved (virtual) pipeline parallelism")])
+    ("--dp", "data parallelism"), ("--cp", "context parallelism"), ("--ep", "expert parallelism")])
 def test_unbuilt_dimension_exits_2(capsys, option, what):
     assert verify.main(["--tp", "2", option, "2"]) == 2
     assert f"{what} is not built yet (issue:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pp", "2", "--layers", "3"], "n_layers=3 is not divisible by pp*virtual_pp=2*1"),
+    (["--pp", "2", "--schedule", "zb-v"], "n_layers=2 is not divisible by pp*virtual_pp=2*2"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--layers", "4",
+      "--microbatches", "3"], "microbatches (3) must be a multiple of pp (2)"),
+    (["--pp", "2", "--microbatches", "4", "--batch", "6"], "--batch 6 cannot be cut into 4 equal"),
+])
+def test_bad_pipeline_options_exit_2(capsys, argv, message):
+    assert verify.main(["--tp", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_passes_a_pipeline_schedule():
+    run = subprocess.run([sys.executable, "-m", "minitron.verify", "--tp", "1", "--pp", "2",
+                          "--schedule", "zb-h1", "--microbatches", "4", "--steps", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "schedule=zb-h1 microbatches=4 virtual=1 stage_rank=(0, 1)" in run.stdout
+    assert "batch=4 " in run.stdout                                    # one sample per micro-batch
+    assert run.stdout.strip().splitlines()[-1].startswith("PASS max_rel_err=")
 
 
 def test_bad_config_fails_before_launching(capsys):
