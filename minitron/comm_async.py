@@ -12,9 +12,13 @@ names the rank, the operation and the group.
     pending.wait()                                            # bucket now holds the sum
 
 Inputs must be contiguous (the result is written where the collective puts it, no copy back).
+Each Pending records when it started and when the collective finished (`started`, `finished`,
+time.perf_counter() seconds; from the work's future where the backend offers one, otherwise the
+end of `wait()`, an upper bound): a measured timeline of the overlap.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -30,6 +34,17 @@ class Pending:
                  finish: Callable[[], None] | None = None):
         self.op, self.group, self.result = op, group, result
         self._work, self._finish = work, finish
+        self.started = time.perf_counter()
+        self.finished: float | None = None if work is not None else self.started
+        if work is not None:
+            try:
+                work.get_future().add_done_callback(self._mark_finished)
+            except (RuntimeError, AttributeError):   # a backend without futures: wait() marks it
+                pass
+
+    def _mark_finished(self, _future) -> None:
+        if self.finished is None:
+            self.finished = time.perf_counter()
 
     @property
     def done(self) -> bool:
@@ -39,6 +54,8 @@ class Pending:
         if self._work is not None:
             work, self._work = self._work, None
             _call(f"wait for {self.op}", self.group, work.wait)
+            if self.finished is None:
+                self.finished = time.perf_counter()
             if self._finish is not None:
                 self._finish()
         return self.result

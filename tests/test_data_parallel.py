@@ -210,3 +210,55 @@ def test_async_collectives(run_ranks):
     assert res[0][0] == [[3.0] * 4, [0.0, 3.0], [0.0, 0.0, 1.0, 1.0]]
     assert res[1][0][1] == [6.0, 9.0]
     assert res[0][1] == 3 and res[0][2] == 2 * 0.5 * 16 + 0.5 * 16 + 0.5 * 16
+
+
+# ---- a pipeline's tied embedding: summed over the embedding group, then averaged over dp ----
+def shared_embedding_rank(stage):
+    grid = build_grid(ParallelConfig(dp=2, pp=2))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.shared_embedding = True    # as if stage 0's and the last stage's copies
+    x = torch.arange(12.0).view(3, 4) * (grid.rank + 1)
+    model(x).pow(2).sum().backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    engine = DataParallel(model, grid, bucket_numel=8, zero_stage=stage)
+    engine.zero_grad()
+    model(x).pow(2).sum().backward()
+    engine.finish_grad_sync()
+    return local, gathered_grads(engine)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_tied_embedding_summed_over_stages_then_averaged(run_ranks, stage):
+    out = run_ranks(shared_embedding_rank, stage, world_size=4)
+    locals_ = [o[0] for o in out]
+    for rank, (_, got) in enumerate(out):
+        dp_peers = [rank ^ 1]                    # dense_dp groups [0, 1], [2, 3]
+        for name, g in got.items():
+            if name == "0.weight":               # all four: both stages, both replicas
+                want = sum(loc[name] for loc in locals_) / 2
+            else:
+                want = (locals_[rank][name] + locals_[dp_peers[0]][name]) / 2
+            torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
+
+
+def test_overlap_measured(run_ranks):
+    mcfg = ModelConfig(**BASE)
+    fractions = run_ranks(overlap_rank, mcfg, world_size=2)
+    for n_events, fraction, ordered in fractions:
+        assert n_events >= 3 and ordered and 0.0 <= fraction <= 1.0
+        print(f"share of all-reduce time hidden behind backward: {fraction:.0%}")
+
+
+def overlap_rank(mcfg):
+    grid = build_grid(ParallelConfig(dp=2))
+    model = ParallelGPT(mcfg, grid, seed=SEED)
+    engine = DataParallel(model, grid, bucket_numel=4096)
+    tokens, targets = make_batch(0, SEED, 8, mcfg.seq_len, mcfg.vocab_size)
+    engine.zero_grad()
+    forward_backward(model, engine, tokens, targets)
+    engine.finish_grad_sync()
+    events = engine.comm_events()
+    ordered = all(e.start <= e.end for e in events) and [e.stage for e in events] == sorted(e.stage for e in events)
+    return len(events), engine.hidden_fraction(), ordered

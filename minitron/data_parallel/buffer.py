@@ -16,6 +16,9 @@ read by the model: their gradient stays 0 and Adam leaves a 0 weight at 0.
 
     flat:   [ bucket 0: last layer ...  pad ][ bucket 1 ... pad ] ...
     rank r owns, in bucket b: [b.start + r * b.size/n, b.start + (r+1) * b.size/n)
+
+FlatLayout is the arithmetic; GroupBuffer holds the buffers of the parameters reduced over one
+group and starts each bucket's collective (which one, by ZeRO stage, is ddp.py's story).
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import dataclasses
 
 import torch
 import torch.nn as nn
+
+from .. import comm, comm_async
 
 
 @dataclasses.dataclass
@@ -47,10 +52,13 @@ class FlatLayout:
     """Where each parameter lives in a flat buffer, and how the buffer is cut into buckets.
 
     `params` are listed in model order; they are laid out in reverse (see the module docstring).
-    `bucket_numel=None` puts everything in one bucket.
+    `bucket_numel=None` puts everything in one bucket. Parameters in `last` get a bucket of
+    their own at the end (data_parallel.ddp: a pipeline's tied embedding, summed over the
+    embedding group before its data-parallel collective).
     """
 
-    def __init__(self, params: list[nn.Parameter], bucket_numel: int | None = None, pad_to: int = 1):
+    def __init__(self, params: list[nn.Parameter], bucket_numel: int | None = None, pad_to: int = 1,
+                 last: list[nn.Parameter] = ()):
         if bucket_numel is not None and bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1 (or None for one bucket), got {bucket_numel}")
         if pad_to < 1:
@@ -62,7 +70,8 @@ class FlatLayout:
         self.buckets: list[Bucket] = []
         start = cursor = 0
         members: list[nn.Parameter] = []
-        for p in reversed(self.params):
+        late = [p for p in self.params if any(p is q for q in last)]
+        for p in [p for p in reversed(self.params) if not any(p is q for q in late)]:
             self.offset[p] = cursor
             self.bucket_of[p] = len(self.buckets)
             cursor += p.numel()
@@ -71,7 +80,13 @@ class FlatLayout:
                 start = cursor = self._close(members, start, cursor)
                 members = []
         if members:
-            cursor = self._close(members, start, cursor)
+            start = cursor = self._close(members, start, cursor)
+        for p in late:                      # `last`: a bucket of their own, after all the others
+            self.offset[p] = cursor
+            self.bucket_of[p] = len(self.buckets)
+            cursor += p.numel()
+        if late:
+            cursor = self._close(late, start, cursor)
         self.numel = cursor
 
     def _close(self, members: list[nn.Parameter], start: int, data_end: int) -> int:
@@ -116,3 +131,97 @@ def flatten_into(layout: FlatLayout, dtype: torch.dtype, device) -> torch.Tensor
             view.copy_(p.detach())
             p.data = view
     return flat
+
+
+class GroupBuffer:
+    """The parameters whose gradients are summed over one group (data_parallel.ddp): their
+    flat parameter buffer, their flat gradient buffer (stages 0-1) or gradient shard (stage 2),
+    and each bucket's collective in flight."""
+
+    def __init__(self, params, group, stage: int, scale: float, bucket_numel: int | None):
+        self.group, self.stage, self.scale = group, stage, scale
+        n, r = group.size, group.rank
+        self.shared = [p for p in params if getattr(p, "shared_embedding", False)]
+        self.layout = FlatLayout(params, bucket_numel, pad_to=n if stage >= 1 else 1, last=self.shared)
+        self.late_bucket = len(self.layout.buckets) - 1 if self.shared else None
+        first = params[0]
+        self.params_flat = flatten_into(self.layout, first.dtype, first.device)
+        buckets = self.layout.buckets
+        self.owned = self.layout.owned(r, n) if stage >= 1 else [(b.start, b.end) for b in buckets]
+        self.grads_flat = self.grad_shard = None
+        if stage < 2:
+            self.grads_flat = torch.zeros_like(self.params_flat)
+            for p in params:
+                p.grad = self.layout.view(self.grads_flat, p)
+        else:
+            self.grad_shard = torch.zeros(sum(e - s for s, e in self.owned), dtype=first.dtype,
+                                          device=first.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready = [0] * len(self.layout.buckets)
+        self.pending: list = [None] * len(self.layout.buckets)
+        self.next_launch = 0
+
+    # ---- the kept (reduced) gradient of each owned element ----------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        if self.stage == 2:
+            return list(self.grad_shard.split([e - s for s, e in self.owned]))
+        return [self.grads_flat[s:e] for s, e in self.owned]
+
+    def owned_params(self) -> list[torch.Tensor]:
+        return [self.params_flat[s:e] for s, e in self.owned]
+
+    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+        """(index into p.view(-1), 1-D view) for each piece of p's gradient this rank keeps."""
+        if self.stage == 0:
+            return [(0, self.layout.view(self.grads_flat, p).view(-1))]
+        o = self.layout.offset[p]
+        store = self.grad_shard if self.stage == 2 else None
+        return [(i, store[j:j + ln] if store is not None else self.grads_flat[o + i:o + i + ln])
+                for i, j, ln in self.layout.pieces(p, self.owned)]
+
+    # ---- buckets ---------------------------------------------------------------------
+    def adopt_grad(self, p: nn.Parameter) -> None:
+        """Stages 0/1: make sure p.grad is its buffer view (zero_grad(set_to_none) replaced it)."""
+        view = self.layout.view(self.grads_flat, p)
+        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def sum_shared(self, group) -> None:
+        """A pipeline's tied embedding: add the other stage's copy's gradient (before averaging
+        over dp, so both stages' copies are reduced alike whatever ZeRO keeps of them)."""
+        grads = [self.layout.view(self.grads_flat, p) if self.stage < 2 else p.grad for p in self.shared]
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.shared)]
+        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+        offset = 0
+        for p, g in zip(self.shared, grads):
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            if self.stage == 2:
+                p.grad = g
+            offset += g.numel()
+
+    def launch(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        if self.stage < 2:
+            data = self.grads_flat[bucket.start:bucket.end]
+        else:   # copy the bucket out of .grad, free .grad: only the shard will stay
+            data = torch.zeros(bucket.numel, dtype=self.params_flat.dtype, device=self.params_flat.device)
+            for p in bucket.params:
+                if p.grad is not None:
+                    o = self.layout.offset[p] - bucket.start
+                    data[o:o + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        data.mul_(self.scale)
+        if self.stage == 0:
+            self.pending[b] = comm_async.all_reduce(data, self.group)
+        else:
+            self.pending[b] = comm_async.reduce_scatter(data, self.group)
+
+    def land(self, b: int) -> None:
+        """Wait for bucket b; ZeRO: put this rank's reduced 1/n where its optimizer reads it."""
+        result = self.pending[b].wait()
+        if self.stage >= 1:
+            self.owned_grads()[b].copy_(result)

@@ -38,6 +38,16 @@ the all-to-all, so the sum over dp_cp covers all dense_dp ranks' data.
 
 Gradient accumulation: inside `no_sync()` the hooks do nothing, gradients add up in the
 buffer, and only the last micro-batch's backward communicates (once per bucket).
+
+A pipeline's tied embedding (the first stage's table, reused as the last stage's output layer;
+both copies marked `shared_embedding = True`) gets a bucket of its own, started last, by
+finish_grad_sync: its gradient is first summed over the `embedding` group (the two stages),
+then averaged like any other. Summing before the data-parallel collective keeps it right under
+ZeRO, where the two stages' ranks keep different pieces of their buffers.
+
+Overlap, measured: each collective records when it started and finished (comm_async), so
+`comm_events()` is a timeline (pipeline/actions.py's Event) and `hidden_fraction()` the share
+of communication time that ran before backward ended.
 """
 from __future__ import annotations
 
@@ -49,7 +59,8 @@ import torch.nn as nn
 
 from .. import comm, comm_async
 from ..grid import Grid
-from .buffer import FlatLayout, flatten_into
+from ..pipeline.actions import Event
+from .buffer import GroupBuffer
 
 DEFAULT_BUCKET_NUMEL = 40_000_000   # Megatron's default bucket size, in elements
 
@@ -76,83 +87,6 @@ def sum_sequence_parallel_grads(engine, grid: Grid) -> None:
         offset += t.numel()
 
 
-class _GroupBuffers:
-    """The parameters whose gradients are summed over one group, in one flat layout."""
-
-    def __init__(self, params, group, stage: int, scale: float, bucket_numel: int | None):
-        self.group, self.stage, self.scale = group, stage, scale
-        n, r = group.size, group.rank
-        self.layout = FlatLayout(params, bucket_numel, pad_to=n if stage >= 1 else 1)
-        first = params[0]
-        self.params_flat = flatten_into(self.layout, first.dtype, first.device)
-        buckets = self.layout.buckets
-        self.owned = self.layout.owned(r, n) if stage >= 1 else [(b.start, b.end) for b in buckets]
-        self.grads_flat = self.grad_shard = None
-        if stage < 2:
-            self.grads_flat = torch.zeros_like(self.params_flat)
-            for p in params:
-                p.grad = self.layout.view(self.grads_flat, p)
-        else:
-            self.grad_shard = torch.zeros(sum(e - s for s, e in self.owned), dtype=first.dtype,
-                                          device=first.device)
-        self.reset()
-
-    def reset(self) -> None:
-        self.ready = [0] * len(self.layout.buckets)
-        self.pending: list = [None] * len(self.layout.buckets)
-        self.next_launch = 0
-
-    # ---- the kept (reduced) gradient of each owned element ----------------------------
-    def owned_grads(self) -> list[torch.Tensor]:
-        if self.stage == 2:
-            return list(self.grad_shard.split([e - s for s, e in self.owned]))
-        return [self.grads_flat[s:e] for s, e in self.owned]
-
-    def owned_params(self) -> list[torch.Tensor]:
-        return [self.params_flat[s:e] for s, e in self.owned]
-
-    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
-        """(index into p.view(-1), 1-D view) for each piece of p's gradient this rank keeps."""
-        if self.stage == 0:
-            return [(0, self.layout.view(self.grads_flat, p).view(-1))]
-        o = self.layout.offset[p]
-        store = self.grad_shard if self.stage == 2 else None
-        return [(i, store[j:j + ln] if store is not None else self.grads_flat[o + i:o + i + ln])
-                for i, j, ln in self.layout.pieces(p, self.owned)]
-
-    # ---- buckets ---------------------------------------------------------------------
-    def adopt_grad(self, p: nn.Parameter) -> None:
-        """Stages 0/1: make sure p.grad is its buffer view (zero_grad(set_to_none) replaced it)."""
-        view = self.layout.view(self.grads_flat, p)
-        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-
-    def launch(self, b: int) -> None:
-        bucket = self.layout.buckets[b]
-        if self.stage < 2:
-            data = self.grads_flat[bucket.start:bucket.end]
-        else:   # copy the bucket out of .grad, free .grad: only the shard will stay
-            data = torch.zeros(bucket.numel, dtype=self.params_flat.dtype, device=self.params_flat.device)
-            for p in bucket.params:
-                if p.grad is not None:
-                    o = self.layout.offset[p] - bucket.start
-                    data[o:o + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-        data.mul_(self.scale)
-        if self.stage == 0:
-            self.pending[b] = comm_async.all_reduce(data, self.group)
-        else:
-            self.pending[b] = comm_async.reduce_scatter(data, self.group)
-
-    def land(self, b: int) -> None:
-        """Wait for bucket b; ZeRO: put this rank's reduced 1/n where its optimizer reads it."""
-        result = self.pending[b].wait()
-        if self.stage >= 1:
-            self.owned_grads()[b].copy_(result)
-
-
 class DataParallel:
     """Bucketed, overlapped gradient averaging for `model` over the grid's data-parallel groups.
 
@@ -174,11 +108,13 @@ class DataParallel:
             g = reduction_group(p, grid)
             by_group.setdefault(g.name, (g, []))[1].append(p)
         scale = 1.0 / grid.dense_dp.size
-        self.buffers = [_GroupBuffers(ps, g, zero_stage, scale, bucket_numel)
+        self.buffers = [GroupBuffer(ps, g, zero_stage, scale, bucket_numel)
                         for g, ps in by_group.values()]
         self.buffer_of = {p: gb for gb in self.buffers for p in gb.layout.params}
         self.sync_enabled = True
         self.events: list[tuple[str, object, float]] = []   # (what, bucket or name, time): the overlap
+        self.collectives: list[tuple[int, comm_async.Pending]] = []   # (bucket, its collective)
+        self.backward_end: float | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     # ---- the training-loop API -------------------------------------------------------
@@ -194,6 +130,7 @@ class DataParallel:
     def finish_grad_sync(self) -> None:
         """Start the buckets not yet started, wait for all, then sum the sequence-parallel
         parameters' gradients over tp (what model.finalize_grads does, on the kept pieces)."""
+        self.backward_end = time.perf_counter()
         for gb in self.buffers:
             while gb.next_launch < len(gb.layout.buckets):
                 self._launch(gb, gb.next_launch)
@@ -214,6 +151,7 @@ class DataParallel:
                 for p in gb.layout.params:
                     p.grad = None
         self.events.clear()
+        self.collectives.clear()
 
     # ---- what the optimizer (zero.py) and the checks read ---------------------------
     def owned_params(self) -> list[torch.Tensor]:
@@ -254,6 +192,23 @@ class DataParallel:
     def padded_numel(self) -> int:
         return sum(gb.layout.numel for gb in self.buffers)
 
+    # ---- the measured overlap of the last step --------------------------------------
+    def comm_events(self) -> list[Event]:
+        """The bucket collectives since zero_grad, as timeline Events (pipeline/actions.py):
+        kind = the collective, stage = the bucket, start/end in time.perf_counter() seconds."""
+        return [Event(self.grid.rank, pending.op, 0, b, pending.started, pending.finished)
+                for b, pending in self.collectives if pending.finished is not None]
+
+    def hidden_fraction(self) -> float:
+        """The share of the collectives' time that ran while backward was still running (before
+        finish_grad_sync was called): 1.0 is perfect overlap, 0.0 none."""
+        events = self.comm_events()
+        total = sum(e.end - e.start for e in events)
+        if total == 0 or self.backward_end is None:
+            return 0.0
+        hidden = sum(max(0.0, min(e.end, self.backward_end) - e.start) for e in events)
+        return hidden / total
+
     # ---- hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         gb = self.buffer_of[p]
@@ -263,14 +218,19 @@ class DataParallel:
             return
         self.events.append(("grad", self.names[p], time.perf_counter()))
         b = gb.layout.bucket_of[p]
+        if b == gb.late_bucket:
+            return                            # started by finish_grad_sync, after sum_shared
         gb.ready[b] += 1
         while (gb.next_launch < len(gb.layout.buckets)
                and gb.ready[gb.next_launch] == len(gb.layout.buckets[gb.next_launch].params)):
             self._launch(gb, gb.next_launch)
 
-    def _launch(self, gb: _GroupBuffers, b: int) -> None:
+    def _launch(self, gb: GroupBuffer, b: int) -> None:
+        if b == gb.late_bucket:
+            gb.sum_shared(self.grid.embedding)
         self.events.append(("launch", b, time.perf_counter()))
         gb.launch(b)
+        self.collectives.append((b, gb.pending[b]))
         gb.next_launch = b + 1
 
     def remove_hooks(self) -> None:
