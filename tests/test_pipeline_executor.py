@@ -10,6 +10,7 @@ per micro-batch per stage boundary between ranks (1/tp of it under SP). Timeline
 action once per rank, in the schedule's order, causally ordered on one clock. Memory: the
 measured (micro-batch, stage) pairs alive at the peak equal the checker's prediction.
 """
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -22,6 +23,7 @@ from minitron.model.convert import gather_state_dict, shard_state_dict
 from minitron.pipeline import executor
 from minitron.pipeline.actions import BW, F
 from minitron.pipeline.check import check
+from minitron.pipeline.p2p import check_message_order
 from minitron.pipeline.partition import PipelineGPT, check_placement
 from minitron.pipeline.schedules import make_schedule
 from minitron.tensor_parallel import weight_grad
@@ -252,6 +254,18 @@ def test_linear_is_f_linear_when_not_capturing():
 def test_executor_refuses_a_batch_that_does_not_split():
     with pytest.raises(ValueError, match="cannot be cut into 4 equal micro-batches"):
         executor.check_schedule_fits(_schedule("1f1b"), _FakeModel(), 6)
+
+
+def test_messages_listed_in_another_order_are_refused():
+    """Backends match a pair's messages in posting order: swapped receives would swap tensors."""
+    sched = _schedule("gpipe", m=2)
+    recvs = [i for i, a in enumerate(sched.actions[1]) if a.kind == "RECV_F"]
+    acts = list(sched.actions[1])
+    acts[recvs[0]], acts[recvs[1]] = acts[recvs[1]], acts[recvs[0]]
+    swapped = dataclasses.replace(sched, actions={**sched.actions, 1: tuple(acts)})
+    check_message_order(sched)
+    with pytest.raises(ValueError, match="rank 1 receives rank 0's messages in the order"):
+        check_message_order(swapped)
 
 
 class _FakeModel:

@@ -39,7 +39,7 @@ from ..model.config import ModelConfig
 from ..tensor_parallel import weight_grad
 from .actions import B, BW, COMPUTE, F, SEND_B, SEND_F, W, Action, Event, Schedule, Timeline
 from .memory import ActivationMemory
-from .p2p import exchange, message_shape
+from .p2p import check_message_order, exchange, message_shape
 from .partition import PipelineGPT
 
 
@@ -66,12 +66,13 @@ def check_schedule_fits(schedule: Schedule, model: PipelineGPT, batch: int) -> N
     if batch % schedule.microbatches:
         raise ValueError(f"a batch of {batch} cannot be cut into {schedule.microbatches} equal "
                          f"micro-batches: use a batch that is a multiple of {schedule.microbatches}")
+    check_message_order(schedule)
 
 
 class _Run:
     """The state of one step on one rank: tensors waiting for their next action, by (mb, stage)."""
 
-    def __init__(self, schedule, model, tokens, targets, plant, keep_outputs):
+    def __init__(self, schedule, model, tokens, targets, plant, keep_outputs, track_memory):
         self.schedule, self.model, self.plant, self.keep = schedule, model, plant, keep_outputs
         self.grid, m = model.grid, schedule.microbatches
         self.mbs = tokens.shape[0] // m
@@ -85,6 +86,7 @@ class _Run:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.memory = ActivationMemory([*model.parameters(), tokens, targets])
+        self.track_memory = track_memory
         self.events: list[Event] = []
 
     # ---- compute ------------------------------------------------------------------------
@@ -92,7 +94,8 @@ class _Run:
         model = self.model
         model.rng.rows_from(mb * self.mbs)     # this micro-batch's rows of the global batch
         capture = weight_grad.capture() if self.defers else contextlib.nullcontext()
-        with capture, self.memory.recording((mb, s)):
+        recording = self.memory.recording((mb, s)) if self.track_memory else contextlib.nullcontext()
+        with capture, recording:
             if s == 0:
                 x = model.embed(self.tokens[mb])
                 x.retain_grad()                 # dL/dX: the verifier compares it
@@ -151,7 +154,8 @@ class _Run:
         end = time.perf_counter()
         self.events.append(Event(self.grid.pp.rank, action.kind, action.microbatch, action.stage,
                                  start, end))
-        self.memory.sample()
+        if self.track_memory:
+            self.memory.sample()
 
     # ---- messages -----------------------------------------------------------------------
     def messages(self, batch: list[Action]) -> None:
@@ -183,14 +187,15 @@ class _Run:
 
 
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
-                 *, plant=None, keep_outputs: bool = True) -> StepResult:
+                 *, plant=None, keep_outputs: bool = True, track_memory: bool = True) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank).
 
     Call model.rng.reset(step seed) first, like any step; gradients accumulate into .grad and
     are finalized (tp and tied-embedding sums) before it returns. `plant` (tests): a
-    verify_plants.Plant whose pipeline faults to put in."""
+    verify_plants.Plant whose pipeline faults to put in. track_memory=False skips the saved-tensor
+    hooks (peak_* are then 0): for timing the executor against a plain step."""
     check_schedule_fits(schedule, model, tokens.shape[0])
-    run = _Run(schedule, model, tokens, targets, plant, keep_outputs)
+    run = _Run(schedule, model, tokens, targets, plant, keep_outputs, track_memory)
     weight_grad.STORE.clear()
     comm.barrier(comm.Group("world", range(model.grid.world_size)))   # one start line for the clocks
     run.run(schedule.actions[model.grid.pp.rank])

@@ -8,10 +8,11 @@ shapes are exchanged first: the receiver allocates the buffer and posts the rece
 
 A run of consecutive message actions (pipeline/actions.py) is posted as one batch through
 comm.exchange (batch_isend_irecv, counted), so two neighbours that send to each other at the
-same time (1F1B's send_forward_recv_backward) do not deadlock. Within a batch the messages to
-and from one peer are posted in an order both ends derive from the message itself (direction,
-micro-batch, the sending stage), because gloo and NCCL match messages between two ranks in the
-order they were posted, not by content.
+same time (1F1B's send_forward_recv_backward) do not deadlock. Messages are posted in the
+schedule's order. NCCL and gloo match the messages from one rank to another in the order they
+were posted, not by content, so `check_message_order` refuses, before anything runs, a schedule
+whose receiver lists a sender's messages in another order than the sender (the tensors would
+arrive swapped: same shapes, so nothing else would notice).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from .. import comm
 from ..grid import Grid
 from ..model.config import ModelConfig
-from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action
+from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
 
 
 def message_shape(cfg: ModelConfig, grid: Grid, microbatch_size: int, seq: int) -> tuple[int, int, int]:
@@ -43,13 +44,33 @@ def message_key(action: Action) -> tuple[str, int, int]:
     raise ValueError(f"{action} is not a message")
 
 
+def check_message_order(schedule: Schedule) -> None:
+    """ValueError unless, for every pair of ranks, the receiver's RECVs from the sender come in
+    the order of the sender's SENDs to it (posting order is what the backends match by)."""
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for rank, actions in schedule.actions.items():
+        for a in actions:
+            if a.kind in (SEND_F, SEND_B):
+                sent.setdefault((rank, a.peer), []).append(message_key(a))
+            elif a.kind in (RECV_F, RECV_B):
+                received.setdefault((a.peer, rank), []).append(message_key(a))
+    for pair in sorted(set(sent) | set(received)):
+        if sent.get(pair, []) != received.get(pair, []):
+            src, dst = pair
+            raise ValueError(f"schedule {schedule.name!r}: rank {dst} receives rank {src}'s messages "
+                             f"in the order {received.get(pair, [])}, but rank {src} sends "
+                             f"{sent.get(pair, [])}: backends match messages in posting order, so "
+                             "list them in the same order on both ranks")
+
+
 def exchange(batch: list[Action], outgoing: dict[Action, torch.Tensor], shape: tuple[int, ...],
              dtype: torch.dtype, device: torch.device, group: comm.Group) -> dict[Action, torch.Tensor]:
     """Post one batch of message actions; returns the received tensors by their RECV action.
 
     `outgoing` holds the tensor of every SEND action in the batch."""
     ops, received = [], {}
-    for action in sorted(batch, key=message_key):
+    for action in batch:
         if action.kind in (SEND_F, SEND_B):
             t = outgoing[action]
             if tuple(t.shape) != tuple(shape):
