@@ -262,3 +262,45 @@ def overlap_rank(mcfg):
     events = engine.comm_events()
     ordered = all(e.start <= e.end for e in events) and [e.stage for e in events] == sorted(e.stage for e in events)
     return len(events), engine.hidden_fraction(), ordered
+
+
+# ---- expert parameters: summed over dp_cp, divided by dense_dp's size ----------------------
+def expert_rank():
+    grid = build_grid(ParallelConfig(dp=2, ep=2))     # dense_dp [0..3], dp_cp [0, 2], [1, 3]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].weight.allreduce = False                  # as Megatron marks expert weights
+    x = torch.arange(12.0).view(3, 4) * (grid.rank + 1)
+    model(x).pow(2).sum().backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    engine = DataParallel(model, grid, zero_stage=1)
+    engine.zero_grad()
+    model(x).pow(2).sum().backward()
+    engine.finish_grad_sync()
+    return local, gathered_grads(engine), sorted(g.group.name for g in engine.buffers)
+
+
+def test_expert_grads_summed_over_dp_cp_divided_by_dense_dp(run_ranks):
+    out = run_ranks(expert_rank, world_size=4)
+    locals_ = [o[0] for o in out]
+    for rank, (_, got, groups) in enumerate(out):
+        assert groups == ["dense_dp", "dp_cp"]
+        for name, g in got.items():
+            peers = [rank % 2, rank % 2 + 2] if name == "1.weight" else range(4)
+            want = sum(locals_[r][name] for r in peers) / 4
+            torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
+
+
+def test_mixed_dtypes_refused(run_ranks):
+    assert "one dtype" in run_ranks(mixed_dtype_rank, world_size=2)[0]
+
+
+def mixed_dtype_rank():
+    grid = build_grid(ParallelConfig(dp=2))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
+    try:
+        DataParallel(model, grid)
+    except ValueError as e:
+        return str(e)
+    return "accepted"

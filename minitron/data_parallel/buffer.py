@@ -145,6 +145,11 @@ class GroupBuffer:
         self.layout = FlatLayout(params, bucket_numel, pad_to=n if stage >= 1 else 1, last=self.shared)
         self.late_bucket = len(self.layout.buckets) - 1 if self.shared else None
         first = params[0]
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise ValueError(f"the parameters share one flat buffer, so they need one dtype and "
+                             f"device; got {sorted(map(str, kinds))}: convert the model first "
+                             "(model.to(dtype)) and build DataParallel afterwards")
         self.params_flat = flatten_into(self.layout, first.dtype, first.device)
         buckets = self.layout.buckets
         self.owned = self.layout.owned(r, n) if stage >= 1 else [(b.start, b.end) for b in buckets]
