@@ -181,3 +181,27 @@ def test_zero3_equals_fsdp2(run_ranks):
         if isinstance(bad, str):
             pytest.skip(bad)
         assert not bad, "\n".join(bad)
+
+
+def one_unit_rank():
+    grid = build_grid(ParallelConfig(dp=2))
+    mcfg = ModelConfig(**BASE)
+    model = ParallelGPT(mcfg, grid, seed=SEED)
+    engine = ZeroStage3(model, grid)
+    seen = []
+    for u in engine.units:      # registered after the engine's: they run once the unit is gathered
+        u.module.register_forward_pre_hook(
+            lambda m, a: seen.append(sum(v.gathered for v in engine.units)))
+    tokens, targets = make_batch(0, SEED, 4, mcfg.seq_len, mcfg.vocab_size)
+    engine.zero_grad()
+    with comm.counting() as c:
+        forward_backward(model, engine, tokens, targets)
+        engine.finish_grad_sync()
+    after = sum(v.gathered for v in engine.units)
+    return seen, after, c.calls("all_gather"), c.calls("reduce_scatter"), len(engine.units)
+
+
+def test_zero3_holds_one_unit_at_a_time(run_ranks):
+    seen, after, gathers, scatters, units = run_ranks(one_unit_rank, world_size=2)[0]
+    assert seen == [1] * units and after == 0
+    assert gathers == 2 * units and scatters == units    # forward, again for backward; grads once
