@@ -13,7 +13,8 @@ from minitron.pipeline.actions import (B, BW, F, RECV_B, RECV_F, SEND_F, W, Acti
 from minitron.pipeline.check import batches
 from minitron.pipeline.simulate import gaps_per_rank, idle_per_rank
 
-VIRTUAL = {"gpipe": (1,), "1f1b": (1,), "interleaved": (1, 2, 3), "zb-h1": (1,), "zb-v": (2,)}
+VIRTUAL = {"gpipe": (1,), "1f1b": (1,), "interleaved": (1, 2, 3), "zb-h1": (1,), "zb-h2": (1,),
+           "zb-v": (2,)}
 
 
 def grid(name):
@@ -177,6 +178,18 @@ def test_zb_v_zero_bubble():
         if pp > 1:
             t = simulate(make_schedule("zb-v", pp, 2 * pp - 2))
             assert max(gaps_per_rank(t).values()) > 0
+
+
+def test_zb_h2_is_a_parallelogram_at_2p_minus_1_memory():
+    """ZB-H2 at F = B = W, m >= 2p-1: no gap inside any rank's span, idle only the skew
+    (p-1)F, for the paper's memory of 2p-1 micro-batches alive on every rank."""
+    for pp in (1, 2, 3, 4, 5):
+        for m in range(2 * pp - 1, 2 * pp + 4):
+            s = make_schedule("zb-h2", pp, m)
+            t = simulate(s)
+            assert set(gaps_per_rank(t).values()) == {0}, (pp, m)
+            assert set(idle_per_rank(t).values()) == {pp - 1}
+            assert set(check(s).peak_activations.values()) == {2 * pp - 1}
 
 
 def test_latency_adds_two_hops_per_stage_boundary_to_gpipe():

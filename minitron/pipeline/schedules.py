@@ -1,19 +1,14 @@
 """Pipeline schedules: who computes what, in which order, and which tensors travel.
 
 Every schedule is a pure function (pp, microbatches, virtual) -> Schedule (see actions.py).
-It decides only the *compute order* of each rank; `with_messages` then derives the sends and
-receives from it, so the same rule makes every schedule's messages:
-
-  after  F of stage s, if stage s+1 lives on another rank:      SEND_F  (activation forward)
-  before F of stage s, if stage s-1 lives on another rank:      RECV_F
-  after  B/BW of stage s, if stage s-1 lives on another rank:   SEND_B  (gradient backward)
-  before B/BW of stage s, if stage s+1 lives on another rank:   RECV_B
-
-A send lands right after the compute that produced its tensor and a receive right before the
-compute that needs it, so where one compute ends and the next begins, the send of the first
-and the receive of the second sit side by side and are posted as one batch: in 1F1B's steady
-state F, SEND_F, RECV_B, BW is exactly Megatron's send_forward_recv_backward. check.py proves
-for each schedule that this never deadlocks.
+It decides only each rank's *compute order*; `with_messages` derives the messages from it:
+a SEND_F after each F whose next stage is on another rank and the matching RECV_F on that
+rank, a SEND_B/RECV_B pair for each B or BW whose previous stage is elsewhere. Each message is
+placed on both ranks at the moment its tensor is made in an as-soon-as-possible run, so a send
+follows its producer, a receive comes before its consumer (early enough to prefetch, as
+Megatron's interleaved schedule does), and neighbouring sends and receives fall into one batch:
+1F1B's steady state F, SEND_F, RECV_B, BW is Megatron's send_forward_recv_backward. Placing
+receives just before their use instead deadlocks interleaved 1F1B (tests show it).
 
 Bubbles, with p ranks, m micro-batches and a stage's F, B, W costs (BW = B + W):
   GPipe        all F, then all BW. Idle per rank (p-1)(F+B+W); peak activations m.
@@ -25,6 +20,8 @@ Bubbles, with p ranks, m micro-batches and a stage's F, B, W costs (BW = B + W):
                nobody waits for it). Rank r defers its first r W's, so the B's run back to back
                in the cool-down and the W's fill the gaps: idle (p-1)(F+B-W), a third of 1F1B's
                at F=B=W, with 1F1B's p micro-batches alive on rank 0.
+  ZB-H2        up to 2p-1 micro-batches alive instead of p: extra warm-up F's and tail W's fill
+               every gap (m >= 2p-1, F=B=W); only the start-up skew (p-1)F is left.
   ZB-V         2 chunks per rank in a V (rank r holds stages r and 2p-1-r): the last rank turns
                the forward around without sending it, and W's fill the rest. At F=B=W and
                m >= 2p-1 (see zb_v) every rank works without a gap from its first action to its
@@ -251,11 +248,46 @@ def zb_v(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
     return with_messages("zb-v", pp, microbatches, 2, v_placement(pp), compute)
 
 
+def zb_h2(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """ZB-H2 (Qi et al. 2024, sec. 2.2): trade memory for the whole bubble. Up to 2p-1
+    micro-batches alive per rank (the paper's (2p-1) M_B) lets the warm-up run extra F's and
+    the tail run W's, so at F=B=W and m >= 2p-1 every rank works without a gap from its first
+    action to its last: the trapezoid becomes a parallelogram, idle only the skew (p-1)F.
+    Built by one greedy rule, stepped in unit time (F=B=W=1): a free rank runs its next B if the
+    gradient is there, else its next F if its input is there and fewer than 2p-1 are alive,
+    else its oldest pending W."""
+    _validate("zb-h2", pp, microbatches, virtual, (1,))
+    m, limit, made = microbatches, 2 * pp - 1, {}
+    order: dict[int, list[Action]] = {r: [] for r in range(pp)}
+    pending: dict[int, list[int]] = {r: [] for r in range(pp)}
+    t = 0
+    while any(len(o) < 3 * m for o in order.values()):
+        for r, o in order.items():
+            n_f, n_b = sum(a.kind == F for a in o), sum(a.kind == B for a in o)
+            if o and made[o[-1].kind, o[-1].microbatch, r] > t:
+                continue                                  # still busy
+            alive = n_f - sum(a.kind == W for a in o)
+            if n_b < n_f and (r == pp - 1 or made.get((B, n_b, r + 1), t + 1) <= t):
+                a = Action(B, n_b, r)
+                pending[r].append(n_b)
+            elif n_f < m and alive < limit and (r == 0 or made.get((F, n_f, r - 1), t + 1) <= t):
+                a = Action(F, n_f, r)
+            elif pending[r]:
+                a = Action(W, pending[r].pop(0), r)
+            else:
+                continue
+            o.append(a)
+            made[a.kind, a.microbatch, r] = t + 1
+        t += 1
+    return with_messages("zb-h2", pp, m, 1, interleaved_placement(pp, 1), order)
+
+
 SCHEDULES = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
     "zb-v": zb_v,
 }
 

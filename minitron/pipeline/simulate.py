@@ -14,7 +14,8 @@ With F = 1, B = W = 1 (so BW = 2), no latency, p ranks and m micro-batches, one 
   GPipe, 1F1B     makespan (m+p-1)(F+BW): idle share (p-1)/(m+p-1), idle/busy (p-1)/m
   interleaved     idle/busy (p-1)/(v m)
   ZB-H1           idle per rank (p-1)(F+B-W) instead of (p-1)(F+B+W): 1/3 of 1F1B's at F=B=W
-  ZB-V            each rank busy without a gap from its first action to its last (m >= 2p-1)
+  ZB-H2, ZB-V     each rank busy without a gap from its first action to its last (m >= 2p-1);
+                  what is left is the start-up skew: (p-1)F per rank (ZB-H2), (p-1)F/2 (ZB-V)
 Timeline.bubble_fraction and .bubble_ratio give the first two; Timeline's events draw it.
 """
 from __future__ import annotations
