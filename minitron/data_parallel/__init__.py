@@ -1,21 +1,37 @@
 """Data parallelism and ZeRO: replicas that average gradients, then shard what they replicate.
 
-    buffer.py   the flat parameter/gradient buffer and its buckets
+    buffer.py   the flat parameter/gradient buffer, its buckets and their collectives
     ddp.py      DataParallel: bucketed all-reduce (or reduce-scatter) started from backward hooks
     step.py     forward_backward: this rank's rows of the global batch, in micro-batches
     zero.py     ZeroOptimizer (AdamW on fp32 master shards) and ZeroStage3 (sharded parameters)
     memory.py   per-rank bytes measured, and the ZeRO formulas for memory and traffic
     checks.py   whole tensors rebuilt from shards, for comparisons with the reference
+
+One training step (every rank runs it; minitron.precision has the mixed-precision parts):
+
+    model = ParallelGPT(cfg, grid).to(torch.bfloat16)       # 16-bit weights, before wrapping
+    engine = DataParallel(model, grid, zero_stage=1)        # 0, 1, 2; or ZeroStage3(model, grid)
+    opt = ZeroOptimizer(engine, lr=3e-4, weight_decay=0.1)  # fp32 masters of this rank's shard
+    scaler = LossScaler()                                   # fp16 only; bf16 needs none
+    for step, (tokens, targets) in enumerate(batches):      # the global batch, on every rank
+        engine.zero_grad()
+        forward_backward(model, engine, tokens, targets, micro_batches=4, step_seed=step,
+                         loss_scale=scaler.scale)           # this rank's rows; no_sync but last
+        engine.finish_grad_sync()                           # instead of model.finalize_grads()
+        optimizer_step(opt, engine, grid, scaler, max_norm=1.0)   # skip on inf, unscale, clip
 """
-from .buffer import Bucket, FlatLayout
+from .buffer import Bucket, FlatLayout, GroupBuffer
 from .checks import gathered_grads, gathered_params, load_grads
 from .ddp import DEFAULT_BUCKET_NUMEL, DataParallel, reduction_group
 from .memory import StateBytes, formula_bytes, measure, traffic_wire_bytes
+from .step import forward_backward, local_rows
 from .zero import ZeroOptimizer, ZeroStage3, default_units
 
 
 def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL, **adamw):
-    """(engine, optimizer) for one of ZeRO's stages 0 (plain data parallel) to 3."""
+    """(engine, optimizer) for ZeRO stage 0 (plain data parallel), 1, 2 or 3; `adamw` goes to
+    ZeroOptimizer (lr, betas, eps, weight_decay). bucket_numel is unused by stage 3 (one
+    collective per unit)."""
     if zero_stage == 3:
         engine = ZeroStage3(model, grid)
     else:
@@ -23,7 +39,7 @@ def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BU
     return engine, ZeroOptimizer(engine, **adamw)
 
 
-__all__ = ["Bucket", "FlatLayout", "DataParallel", "DEFAULT_BUCKET_NUMEL", "reduction_group",
-           "ZeroOptimizer", "ZeroStage3", "default_units", "StateBytes", "formula_bytes",
-           "measure", "traffic_wire_bytes", "gathered_grads", "gathered_params", "load_grads",
-           "wrap"]
+__all__ = ["Bucket", "FlatLayout", "GroupBuffer", "DataParallel", "DEFAULT_BUCKET_NUMEL",
+           "reduction_group", "ZeroOptimizer", "ZeroStage3", "default_units", "StateBytes",
+           "formula_bytes", "measure", "traffic_wire_bytes", "gathered_grads", "gathered_params",
+           "load_grads", "forward_backward", "local_rows", "wrap"]
