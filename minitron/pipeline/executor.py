@@ -22,13 +22,15 @@ reference's whatever order the schedule runs the work in.
 
 Every compute action is timed (time.perf_counter after a barrier: one clock for every process
 on a machine) into actions.Event rows, so a real run gives an actions.Timeline of the same form
-as the simulator's, and the activation memory it keeps alive is measured (memory.py).
+as the simulator's (`measure`), and the activation memory it keeps alive can be measured
+(memory.py, `measure_memory`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
+from fractions import Fraction
 
 import torch
 
@@ -187,13 +189,13 @@ class _Run:
 
 
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
-                 *, plant=None, keep_outputs: bool = True, track_memory: bool = True) -> StepResult:
+                 *, plant=None, keep_outputs: bool = True, track_memory: bool = False) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank).
 
     Call model.rng.reset(step seed) first, like any step; gradients accumulate into .grad and
     are finalized (tp and tied-embedding sums) before it returns. `plant` (tests): a
-    verify_plants.Plant whose pipeline faults to put in. track_memory=False skips the saved-tensor
-    hooks (peak_* are then 0): for timing the executor against a plain step."""
+    verify_plants.Plant whose pipeline faults to put in. track_memory=True measures the activation
+    memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0)."""
     check_schedule_fits(schedule, model, tokens.shape[0])
     run = _Run(schedule, model, tokens, targets, plant, keep_outputs, track_memory)
     weight_grad.STORE.clear()
@@ -238,7 +240,7 @@ def collect_outputs(result: StepResult, model: PipelineGPT, batch: int, seq: int
     return logits, loss, dx
 
 
-# ---- measured timelines ------------------------------------------------------------------------
+# ---- measured timelines and memory: the schedule on real processes ------------------------------
 def gather_timeline(schedule: Schedule, events: list[Event], grid: Grid) -> Timeline:
     """Every pipeline rank's events, on every rank (one counted all-gather over pp), with time
     measured from the earliest start, in seconds."""
@@ -256,7 +258,7 @@ def gather_timeline(schedule: Schedule, events: list[Event], grid: Grid) -> Time
 
 
 def _measure_rank(schedule: Schedule, mcfg: ModelConfig, pcfg: ParallelConfig, batch: int,
-                  seed: int, steps: int) -> Timeline | None:
+                  seed: int, steps: int, track_memory: bool):
     grid = build_grid(pcfg)
     model = PipelineGPT(mcfg, grid, schedule.stage_rank, seed=seed).train()
     gen = torch.Generator().manual_seed(seed)
@@ -264,9 +266,22 @@ def _measure_rank(schedule: Schedule, mcfg: ModelConfig, pcfg: ParallelConfig, b
     for step in range(steps):     # the first runs pay one-off costs (allocations, lazy inits)
         model.zero_grad(set_to_none=True)
         model.rng.reset(seed * 1_000 + step)
-        result = run_schedule(schedule, model, data[:, :-1], data[:, 1:], keep_outputs=False)
+        result = run_schedule(schedule, model, data[:, :-1], data[:, 1:], keep_outputs=False,
+                              track_memory=track_memory)
     timeline = gather_timeline(schedule, result.events, grid)
-    return timeline if grid.rank == 0 else None
+    peak = torch.tensor([[result.peak_alive, result.peak_bytes]], dtype=torch.float64, device=grid.device)
+    peaks = comm.all_gather(peak, grid.pp, dim=0).cpu().tolist()
+    return (timeline, peaks) if grid.rank == 0 else None
+
+
+def _launch_measure(schedule, model_config, parallel_config, batch, seed, steps, track_memory):
+    pcfg = parallel_config or ParallelConfig(pp=schedule.pp, virtual_pp=schedule.virtual)
+    if pcfg.pp != schedule.pp:
+        raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, the parallel config "
+                         f"has pp={pcfg.pp}")
+    batch = batch or schedule.microbatches
+    return launch(_measure_rank, schedule, model_config, pcfg, batch, seed, steps, track_memory,
+                  world_size=pcfg.world_size)[0]
 
 
 def measure(schedule: Schedule, model_config: ModelConfig, parallel_config: ParallelConfig | None = None,
@@ -276,10 +291,14 @@ def measure(schedule: Schedule, model_config: ModelConfig, parallel_config: Para
 
     parallel_config defaults to ParallelConfig(pp=schedule.pp); batch to one sample per
     micro-batch. The ranks are started with minitron.launch (gloo on CPU, NCCL on GPUs)."""
-    pcfg = parallel_config or ParallelConfig(pp=schedule.pp)
-    if pcfg.pp != schedule.pp:
-        raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, the parallel config "
-                         f"has pp={pcfg.pp}")
-    batch = batch or schedule.microbatches
-    return launch(_measure_rank, schedule, model_config, pcfg, batch, seed, steps,
-                  world_size=pcfg.world_size)[0]
+    return _launch_measure(schedule, model_config, parallel_config, batch, seed, steps, False)[0]
+
+
+def measure_memory(schedule: Schedule, model_config: ModelConfig,
+                   parallel_config: ParallelConfig | None = None, batch: int | None = None,
+                   seed: int = 0) -> dict[int, tuple[Fraction, int]]:
+    """Run one step of `schedule` on real processes; per pipeline rank, its measured peak
+    activations: (micro-batches alive, in full-stage units as check() predicts them, and bytes)."""
+    peaks = _launch_measure(schedule, model_config, parallel_config, batch, seed, 1, True)[1]
+    return {r: (Fraction(int(alive), schedule.virtual), int(nbytes))
+            for r, (alive, nbytes) in enumerate(peaks)}
