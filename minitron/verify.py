@@ -1,4 +1,4 @@
-"""python -m minitron.verify --tp 2 --sp: the split model against one device, number for number.
+"""python -m minitron.verify --tp 2 --sp [--pp 2 --schedule zb-h1]: the split model against one device.
 
 Both models start from the same weights and the same dropout seed and see the same batches.
 Every step compares, on rank 0 after gathering the shards (for the comparison only): logits,
@@ -18,6 +18,13 @@ smallest margin (tolerance / error), then `PASS max_rel_err=...` (exit 0) or `FA
 AdamW's eps defaults to 1e-6 here, not torch's 1e-8: a gradient entry at the float32 noise
 level (~1e-7 of its tensor's largest) counts as noise, not as a direction worth lr. (The check
 no longer depends on it: both sides step on the same gradients, so `--eps 1e-8` passes too.)
+
+`--pp`, `--virtual`, `--schedule` and `--microbatches` cut the model into pipeline stages
+(pipeline/partition.py) and run every step with the pipeline executor and the named schedule
+(pipeline/schedules.py): the same rows are compared, with the logits of every micro-batch and
+dL/dX collected from the stages that made them, every gradient and weight gathered across the
+stages, and the tied embedding's two copies (first and last stage) bitwise equal over the
+`embedding` group. The batch defaults to one sequence per micro-batch.
 
 `--kernels` builds the split model with ModelConfig(use_kernels=True), so its norms, attention,
 MLP activations and loss run minitron.kernels' fused Triton kernels, and steps it with

@@ -62,6 +62,17 @@ def test_schedule_matches_reference(run_ranks, name, split):
     assert {r.quantity for r in report.rows} >= {"logits", "loss", "dL/dX", "replicas grads"}
 
 
+def test_pp4_interleaved_with_middle_stages_matches_reference(run_ranks):
+    """The issue's `--pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8` (one
+    layer per stage), with tied embeddings: ranks 1 and 2 hold no embedding (a group of one)."""
+    sched = make_schedule("interleaved", 4, 8, 2)
+    cfg = ModelConfig(**{**BASE, "n_layers": 8, "tie_embeddings": True})
+    rows = run_ranks(run_rank, ParallelConfig(pp=4, virtual_pp=2), cfg, 1, batch=8, schedule=sched,
+                     world_size=4)[0]
+    report = Report(rows)
+    assert report.passed, report.table()
+
+
 # ---- tests of the tests: planted executor bugs fail ----------------------------------------------
 @pytest.mark.parametrize("name,plant,caught", [
     ("zb-v", "pp-wrong-stage", "dL/dX"),                    # stage 1 gets stage 2's output gradient
