@@ -1,0 +1,74 @@
+"""All-gather context parallelism: gather every rank's keys and values once, compute locally.
+
+Megatron-Core's "all_gather" CP option. One all-gather of K and V over cp replaces the cp-1
+ring steps: fewer, larger messages (better when latency dominates or s/cp is small), but
+nothing overlaps with compute, and for a moment every rank holds the whole sequence's K, V.
+Only this rank's K, V are saved for backward; backward gathers them again, computes every
+block's share of dK, dV, and one reduce-scatter over cp sums the shares and hands each owner
+its own (the all-gather's adjoint). Per rank, with B = 2 b h_kv s d elements (all of K, V):
+
+    forward  all_gather      wire (cp-1)/cp * B * element size
+    backward all_gather      wire (cp-1)/cp * B * element size
+             reduce_scatter  wire (cp-1)/cp * B * 4 (the float32 shares)
+
+The blocks and their exact merge are the ring's (blocks.py); only how K, V arrive differs.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..comm import Group
+from .blocks import Accumulator, BlockMath
+from .ring import RingSetup
+
+
+def _gather_kv(k, v, group: Group) -> torch.Tensor:
+    """[cp, 2, b, hkv, s/cp, d]: every rank's K and V, by cp rank."""
+    kv = torch.stack([k, v]).contiguous()
+    return comm.all_gather(kv, group, dim=0).reshape(group.size, *kv.shape)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, setup: RingSetup):
+        acc = Accumulator(q)
+        kv_all = _gather_kv(k, v, setup.group)
+        for src in range(setup.cp):
+            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
+                out_b, lse_b = setup.math.forward(q[:, :, rows], kv_all[src, 0][:, :, cols],
+                                                  kv_all[src, 1][:, :, cols], diag, qp, kp)
+                acc.merge(rows, out_b, lse_b)
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)   # this rank's K, V only: 1/cp of the memory
+        ctx.setup = setup
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        setup = ctx.setup
+        do = dout.contiguous()
+        delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        kv_all = _gather_kv(k, v, setup.group)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        dkv_all = torch.zeros(kv_all.shape, dtype=lse.dtype, device=q.device)
+        for src in range(setup.cp):
+            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
+                dq_b, dk_b, dv_b = setup.math.backward(
+                    do[:, :, rows], q[:, :, rows], kv_all[src, 0][:, :, cols],
+                    kv_all[src, 1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                    delta[:, :, rows], diag, qp, kp)
+                dq[:, :, rows] += dq_b
+                dkv_all[src, 0][:, :, cols] += dk_b
+                dkv_all[src, 1][:, :, cols] += dv_b
+        dkv = comm.reduce_scatter(dkv_all.flatten(0, 1), setup.group, dim=0)   # [2, ...] ours
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def allgather_attention(q, k, v, group: Group, causal: bool = True, layout: str = "zigzag",
+                        scale: float | None = None, use_kernels: bool = False, drop=None):
+    """Same contract as ring.ring_attention."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    setup = RingSetup(group, layout, causal, BlockMath(scale, use_kernels, drop))
+    return AllGatherAttention.apply(q, k, v, setup)

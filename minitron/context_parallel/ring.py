@@ -1,0 +1,160 @@
+"""Ring attention: keys and values travel around the cp ring; queries stay home.
+
+Each of the cp ranks holds s/cp tokens (sharding.py: two chunks). At step t rank r holds
+the key/value block of rank (r - t) mod cp: it posts the send of that block to rank r+1 and
+the receive of the next one from rank r-1, computes its queries against the block it has
+while the messages fly, merges the partial result exactly (blocks.Accumulator), then waits.
+After cp steps every query has seen every key, and each rank sent cp-1 blocks:
+
+    forward bytes per rank = (cp - 1) * 2 * b * h_kv * (s/cp) * d * element size
+
+Backward sends the same blocks around once more, and with them the gradients dK, dV of the
+block's owner: at step t a rank adds its share for the block it holds to the running dK, dV
+that arrived from rank r-1 (the shares of ranks r-t .. r-1) and passes them on; one last hop
+brings them home to their owner. dQ never moves: every block's share of it is computed where
+the queries live. The running dK, dV travel in float32 (float64 for float64 inputs), so a
+16-bit run rounds once, at home:
+
+    backward bytes per rank = (cp - 1) * 2 * b * h_kv * (s/cp) * d * element size   (K, V)
+                            +  cp      * 2 * b * h_kv * (s/cp) * d * 4 (or 8)          (dK, dV)
+
+The messages go through minitron.comm's counters (comm.exchange's accounting; `post` below
+is its non-blocking twin), so tests compare the bytes with these formulas.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..comm import P2P, Group
+from .blocks import Accumulator, BlockMath, block_pairs
+from .sharding import chunk_ids, positions
+
+
+class Posted:
+    """Point-to-point messages in flight; wait() blocks until all have arrived."""
+
+    def __init__(self, works, group: Group, what: str):
+        self.works, self.group, self.what = works, group, what
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        comm._call(self.what, self.group, lambda: [w.wait() for w in works])
+
+
+def post(ops: list[P2P], group: Group) -> Posted:
+    """Start sends and receives (contiguous tensors, peers other than this rank) and return
+    at once: comm.exchange without the wait, counted the same way."""
+    torch_ops = []
+    for op in ops:
+        if not op.tensor.is_contiguous():
+            raise ValueError("post: the tensors must be contiguous (a receive writes in place)")
+        nbytes = comm._nbytes(op.tensor)
+        comm._count(group, op.kind, nbytes, nbytes if op.kind == "send" else 0)
+        fn = dist.isend if op.kind == "send" else dist.irecv
+        torch_ops.append(dist.P2POp(fn, op.tensor, comm._peer(group, op.peer, "post"), group=group.pg))
+    what = f"ring exchange with group ranks {sorted({op.peer for op in ops})}"
+    works = comm._call(what, group, lambda: dist.batch_isend_irecv(torch_ops))
+    return Posted(works, group, what)
+
+
+class RingSetup:
+    """What the autograd function needs besides tensors (one per call)."""
+
+    def __init__(self, group: Group, layout: str, causal: bool, math: BlockMath):
+        self.group, self.layout, self.causal, self.math = group, layout, causal, math
+        self.cp, self.rank = group.size, group.rank
+        self.next, self.prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+
+    def blocks(self, src: int, s_local: int, device):
+        """Every (rows, cols, causal, q positions, k positions) this rank computes against
+        the key/value block of cp-rank `src`."""
+        s, c = s_local * self.cp, s_local // 2
+        q_pos = positions(s, self.cp, self.rank, self.layout, device)
+        k_pos = positions(s, self.cp, src, self.layout, device)
+        mine, theirs = chunk_ids(self.cp, self.rank, self.layout), chunk_ids(self.cp, src, self.layout)
+        return [(rows, cols, diag, q_pos[rows], k_pos[cols])
+                for rows, cols, diag in block_pairs(mine, theirs, c, self.causal)]
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, setup: RingSetup):
+        cp, math = setup.cp, setup.math
+        acc = Accumulator(q)
+        kv, kv_next = torch.stack([k, v]).contiguous(), None
+        for step in range(cp):
+            src = (setup.rank - step) % cp
+            posted = None
+            if step < cp - 1:              # the next block is on its way while we compute
+                kv_next = torch.empty_like(kv)
+                posted = post([P2P("send", kv, setup.next), P2P("recv", kv_next, setup.prev)],
+                              setup.group)
+            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
+                out_b, lse_b = math.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                            diag, qp, kp)
+                acc.merge(rows, out_b, lse_b)
+            if posted is not None:
+                posted.wait()
+                kv = kv_next
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.setup = setup
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        setup = ctx.setup
+        cp, math, group = setup.cp, setup.math, setup.group
+        do = dout.contiguous()
+        delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1)   # rowsum(dO * O), global
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = None        # the running dK, dV of the block we hold (its owner's, on its way home)
+        for step in range(cp):
+            src = (setup.rank - step) % cp
+            ops, kv_next, dkv_in = [], None, None
+            if step < cp - 1:
+                kv_next = torch.empty_like(kv)
+                ops += [P2P("send", kv, setup.next), P2P("recv", kv_next, setup.prev)]
+            if step > 0:   # pass on last step's running sum; receive the one for this block
+                dkv_in = torch.empty_like(dkv)
+                ops += [P2P("send", dkv, setup.next), P2P("recv", dkv_in, setup.prev)]
+            posted = post(ops, group) if ops else None
+            share = torch.zeros((2, *k.shape), dtype=lse.dtype, device=k.device)
+            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
+                dq_b, dk_b, dv_b = math.backward(
+                    do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                    out[:, :, rows], lse[:, :, rows], delta[:, :, rows], diag, qp, kp)
+                dq[:, :, rows] += dq_b
+                share[0][:, :, cols] += dk_b
+                share[1][:, :, cols] += dv_b
+            if posted is not None:
+                posted.wait()
+            dkv = share if dkv_in is None else dkv_in + share
+            if kv_next is not None:
+                kv = kv_next
+        if cp > 1:        # the last hop: every rank's dK, dV arrive home
+            home = torch.empty_like(dkv)
+            post([P2P("send", dkv, setup.next), P2P("recv", home, setup.prev)], group).wait()
+            dkv = home
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q, k, v, group: Group, causal: bool = True, layout: str = "zigzag",
+                   scale: float | None = None, use_kernels: bool = False, drop=None):
+    """Attention of this rank's queries q [b, hq, s/cp, d] over the whole sequence's keys,
+    k/v [b, hkv, s/cp, d] being this rank's; tokens in sharding.positions order."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    setup = RingSetup(group, layout, causal, BlockMath(scale, use_kernels, drop))
+    return RingAttention.apply(q, k, v, setup)
+
+
+def ring_bytes(batch: int, kv_heads: int, s: int, head_dim: int, cp: int, element_size: int = 4,
+               grad_element_size: int = 4) -> dict[str, int]:
+    """The bytes one rank sends through the ring per attention call (see the docstring)."""
+    block = 2 * batch * kv_heads * (s // cp) * head_dim
+    return {"forward": (cp - 1) * block * element_size,
+            "backward": (cp - 1) * block * element_size + (cp if cp > 1 else 0) * block * grad_element_size}
