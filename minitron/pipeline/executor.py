@@ -39,7 +39,7 @@ from ..grid import Grid, ParallelConfig, build_grid
 from ..launch import launch
 from ..model.config import ModelConfig
 from ..tensor_parallel import weight_grad
-from .actions import B, BW, COMPUTE, F, SEND_B, SEND_F, W, Action, Event, Schedule, Timeline
+from .actions import B, BW, COMPUTE, F, RECV_F, SEND_B, SEND_F, W, Action, Event, Schedule, Timeline
 from .memory import ActivationMemory
 from .p2p import check_message_order, exchange, message_shape
 from .partition import PipelineGPT
@@ -169,7 +169,7 @@ class _Run:
                 outgoing[a] = self.grad_in.pop((a.microbatch, a.stage))
         received = exchange(batch, outgoing, self.shape, self.dtype, self.device, self.grid.pp)
         for a, t in received.items():
-            if a.kind == "RECV_F":
+            if a.kind == RECV_F:
                 self.inputs[(a.microbatch, a.stage)] = t.requires_grad_()
             else:
                 self.grad_out[(a.microbatch, a.stage)] = t
