@@ -46,6 +46,7 @@ from . import comm
 from .comm import Group
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest first
+CP_VARIANTS = ("ring", "allgather", "ulysses")
 
 # group name -> the dimensions that vary inside it
 GROUP_DIMS = {
@@ -72,12 +73,19 @@ class ParallelConfig:
     ep: int = 1
     sequence_parallel: bool = False
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved schedules)
+    # How attention reaches the other cp ranks' keys and values (minitron/context_parallel):
+    # "ring" (K/V passed around, overlapped), "allgather" (gathered once), "ulysses" (all-to-all
+    # to a head split; heads/tp must divide by cp)
+    cp_variant: str = "ring"
 
     def __post_init__(self):
         for name in (*DIMS, "virtual_pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.cp_variant not in CP_VARIANTS:
+            raise ValueError(f"ParallelConfig.cp_variant={self.cp_variant!r}: choose one of "
+                             f"{CP_VARIANTS}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel shards the norm/dropout regions across the "
                              "tensor-parallel group, so it needs tp > 1: set tp >= 2 or drop "
@@ -165,6 +173,11 @@ def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None) -> No
     if cfg.cp > 1 and s % (2 * cfg.cp):
         raise ValueError(f"sequence length {s} is not divisible by 2*cp={2 * cfg.cp}: context "
                          "parallelism cuts each sequence into 2*cp chunks to balance causal work")
+    if cfg.cp > 1 and cfg.cp_variant == "ulysses" and ((heads // cfg.tp) % cfg.cp
+                                                       or (kv // cfg.tp) % cfg.cp):
+        raise ValueError(f"cp_variant='ulysses' gives each of the cp={cfg.cp} ranks whole heads, but "
+                         f"a tensor-parallel rank has {heads // cfg.tp} query and {kv // cfg.tp} "
+                         "key/value heads: use cp dividing both, or cp_variant='ring' or 'allgather'")
 
 
 class Grid:
@@ -249,5 +262,5 @@ def build_grid(config: ParallelConfig) -> Grid:
     return cached[1]
 
 
-__all__ = ["DIMS", "GROUP_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size",
+__all__ = ["DIMS", "CP_VARIANTS", "GROUP_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size",
            "validate_model"]
