@@ -1,6 +1,6 @@
 """The pipeline executor against the single-device reference, and what it measures.
 
-Numbers: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V), plain and with TP=2 + SP,
+Numbers: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, ZB-V), plain and with TP=2 + SP,
 through minitron.verify's per-rank body (logits of every micro-batch, loss, dL/dX, every
 gradient and every updated weight, at the verifier's float32 tolerances; the tied embedding's
 two copies bitwise equal): the tests and `python -m minitron.verify --pp ...` check the same
@@ -32,7 +32,7 @@ from minitron.verify_checks import pattern
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=4, n_heads=4, dropout=0.1)
 PP, M = 2, 4
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}   # name: virtual
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-h2": 1, "zb-v": 2}   # name: virtual
 SPLITS = {"plain": (1, False), "tp2-sp": (2, True)}
 
 
@@ -188,7 +188,7 @@ def _measured_worker(name, pp, m):
 
 
 @pytest.mark.parametrize("name,pp,m", [("gpipe", 2, 4), ("1f1b", 2, 4), ("zb-h1", 2, 4),
-                                       ("interleaved", 2, 4), ("zb-v", 2, 4), ("1f1b", 4, 8),
+                                       ("interleaved", 2, 4), ("zb-v", 2, 4), ("zb-h2", 2, 4), ("1f1b", 4, 8),
                                        ("zb-v", 4, 8)])
 def test_measured_timeline_and_peak_memory(run_ranks, name, pp, m):
     sched = _schedule(name, pp, m)
