@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.minitron-installed
 
-.PHONY: setup lab test grade verify-all bench clean-venv
+.PHONY: setup lab test browser-test grade verify-all bench clean-venv
 
 setup: $(STAMP)
 
@@ -28,6 +28,14 @@ lab: setup
 # and every unsolved exercise shown to fail its grading.
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Lesson 04's explorer in a real browser: JupyterLab + headless Chromium (selenium). Needs
+# `apt-get install chromium chromium-driver` (Debian/Ubuntu); fails, not skips, without them.
+# SCREENSHOT=lessons/figures/pipeline_explorer.png keeps a picture of the page.
+SCREENSHOT ?=
+browser-test: setup
+	$(BIN)/python -m pip install --quiet -e ".[browser]"
+	MINITRON_BROWSER_TEST=1 SCREENSHOT="$(SCREENSHOT)" $(BIN)/python -m pytest -q tests/test_browser.py
 
 # Grade your exercises: `make grade` for all, `make grade NB=exercises/01_tensor_parallel_mlp.ipynb` for one.
 # Your answer cells run inside the reference solution, against its checks and stored outputs.

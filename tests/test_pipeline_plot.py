@@ -169,3 +169,14 @@ def test_static_view_prints_the_numbers(capsys):
                    "peak activations per rank (micro-batches in flight): "
                    "rank 0: 8, rank 1: 8, rank 2: 8, rank 3: 8"]
     assert result.timeline.bubble_fraction == simulate(make_schedule("gpipe", 4, 8)).bubble_fraction
+
+
+def test_cli_measure_runs_the_schedule_on_processes_and_draws_both(capsys, tmp_path):
+    argv = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--measure", "--plot", str(tmp_path / "t.png")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "simulated bubble fraction: 0.333 " in out
+    measured = [line for line in out.splitlines() if line.startswith("measured bubble fraction: ")]
+    assert len(measured) == 1 and 0 < float(measured[0].split()[3]) < 1, out
+    assert (tmp_path / "t.png").stat().st_size > 0
+    plt.close("all")

@@ -6,7 +6,8 @@
 
 Prints the simulated bubble fraction (idle share of pp x makespan, and the bubble in units of
 the ideal time), the checker's peak activations per rank, and, with --measure, the bubble of
-the same schedule run by the executor on real processes. Bad input: one line on stderr, exit 2.
+the same schedule run by the executor on real processes (a small GPT, two blocks per stage: see
+measured_model). Bad input: one line on stderr, exit 2.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import sys
 from fractions import Fraction
 
+from ..model.config import ModelConfig
 from .check import check
 from .schedules import SCHEDULES, make_schedule
 from .simulate import Costs, simulate
@@ -64,14 +66,15 @@ def describe(schedule, costs: Costs) -> list[str]:
             + ", ".join(f"rank {r}: {float(p):.3g}" for r, p in sorted(report.peak_activations.items()))]
 
 
-def measurer():
-    """The executor's measure(schedule) -> Timeline, or a ValueError saying it is not there."""
-    try:
-        from .executor import measure
-    except ImportError:
-        raise ValueError("--measure needs minitron.pipeline.executor.measure, which is not built "
-                         "yet; run without --measure") from None
-    return measure
+def measured_model(schedule) -> ModelConfig:
+    """The GPT --measure runs: two blocks per stage, big enough that compute outweighs messages."""
+    return ModelConfig(vocab_size=256, seq_len=64, hidden=256, n_heads=4,
+                       n_layers=2 * schedule.pp * schedule.virtual)
+
+
+def measure(schedule):
+    from .executor import measure as run_and_time   # torch processes: only when asked for
+    return run_and_time(schedule, measured_model(schedule))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,17 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
             raise ValueError(f"--plot {args.plot}: its folder does not exist; create it first")
         lines = describe(schedule, costs)
-        measure = measurer() if args.measure else None
     except ValueError as e:          # ScheduleError is a ValueError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(lines))
     simulated = simulate(schedule, costs)
     measured = None
-    if measure is not None:
-        measured = measure(schedule)
-        print(f"measured bubble fraction: {float(measured.bubble_fraction):.3f} "
-              f"(a run on {schedule.pp} processes, makespan {measured.makespan:.3g} s)")
+    if args.measure:
+        measured, cfg = measure(schedule), measured_model(schedule)
+        print(f"measured bubble fraction: {float(measured.bubble_fraction):.3f} (one step of a GPT "
+              f"of {cfg.n_layers} blocks, hidden {cfg.hidden}, {cfg.seq_len} tokens, on {schedule.pp} "
+              f"processes; makespan {measured.makespan:.3g} s)")
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")        # a file, no window

@@ -14,6 +14,7 @@ widget of its own, so a reader, or a browser test, finds the number in the page.
 from __future__ import annotations
 
 import dataclasses
+import io
 from fractions import Fraction
 
 import matplotlib.pyplot as plt
@@ -49,6 +50,9 @@ class Result:
     setting: Setting
     timeline: object          # actions.Timeline
     peaks: dict               # rank -> peak micro-batches alive (full-stage units)
+
+    def __repr__(self) -> str:     # short and stable: a notebook may display it
+        return f"Result({self.setting}, {self.bubble_text})"
 
     @property
     def bubble_text(self) -> str:
@@ -179,12 +183,14 @@ class Explorer:
         self.bubble.value = result.bubble_text
         self.peaks.value = result.peaks_text
         if _in_kernel():                 # elsewhere (a test) there is no page to draw on
-            from IPython.display import display
+            from IPython.display import Image, display
             fig = figure(result)
+            png = io.BytesIO()           # a PNG of our own: the same whatever matplotlib backend
+            fig.savefig(png, format="png", dpi=80, bbox_inches="tight")
+            plt.close(fig)
             with self.out:
                 self.out.clear_output(wait=True)
-                display(fig)
-            plt.close(fig)
+                display(Image(png.getvalue()))
 
 
 def _in_kernel() -> bool:
