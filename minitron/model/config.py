@@ -33,6 +33,20 @@ class ModelConfig:
     init_std: float = 0.02
     rope_base: float = 10000.0
     use_kernels: bool = False     # fused Triton kernels where minitron.kernels provides them
+    # Mixture of experts (minitron/moe/): n_experts > 0 makes the MLP of every `moe_every`-th
+    # layer (layers 0, moe_every, 2*moe_every, ..., as Megatron's moe_layer_freq) a router
+    # choosing `topk` of n_experts expert MLPs (each of ffn columns) per token.
+    n_experts: int = 0
+    topk: int = 2
+    moe_every: int = 1
+    capacity_factor: float | None = None  # None: dropless; else each expert takes at most
+    #                                       ceil(factor * seq * topk / n_experts) tokens per sequence
+    router_pre_softmax: bool = False      # softmax over all experts, then top-k (Switch); False:
+    #                                       top-k of the logits, softmax over those k (Megatron's default)
+    aux_loss_coeff: float = 0.01          # Switch load-balancing loss, added to the loss
+    z_loss_coeff: float = 0.0             # router z-loss (ST-MoE): mean logsumexp(logits)^2
+    expert_bias: bool = False             # aux-loss-free balancing (DeepSeek-V3): a per-expert
+    #                                       bias added to the scores for choosing only
 
     def __post_init__(self):
         for field in ("vocab_size", "seq_len", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
@@ -52,6 +66,35 @@ class ModelConfig:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if type(self.n_experts) is not int or self.n_experts < 0:
+            raise ValueError(f"ModelConfig.n_experts must be an integer >= 0 (0: dense MLPs), "
+                             f"got {self.n_experts!r}")
+        if not self.n_experts:
+            return
+        if type(self.topk) is not int or not 1 <= self.topk <= self.n_experts:
+            raise ValueError(f"ModelConfig.topk={self.topk!r}: each token picks topk experts of "
+                             f"n_experts={self.n_experts}; choose 1 <= topk <= {self.n_experts}")
+        if type(self.moe_every) is not int or not 1 <= self.moe_every <= self.n_layers:
+            raise ValueError(f"ModelConfig.moe_every={self.moe_every!r}: choose 1 (every layer) "
+                             f"to n_layers={self.n_layers} (layer 0 only)")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor!r}: use a "
+                             "positive number, or None for dropless routing")
+        for field in ("aux_loss_coeff", "z_loss_coeff"):
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"ModelConfig.{field} must be >= 0, got {getattr(self, field)!r}")
+        if self.topk == 1 and not self.router_pre_softmax and self.aux_loss_coeff == 0 \
+                and self.z_loss_coeff == 0:
+            raise ValueError("topk=1 with router_pre_softmax=False gives every token the gate "
+                             "softmax([x]) = 1, so the router never learns: set "
+                             "router_pre_softmax=True, or an aux/z loss coefficient")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Does layer i hold a mixture of experts (Megatron's moe_layer_freq pattern)?"""
+        return self.n_experts > 0 and i % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..moe.reference import MoE
 from ..tensor_parallel.random import DropoutRNG
 from .config import ModelConfig
 
@@ -93,13 +94,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`moe`: the MLP is a mixture of experts (minitron/moe/reference.py), same interface."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.cfg = cfg
         self.attn_norm = make_norm(cfg)
         self.attention = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
         p, train = self.cfg.dropout, self.training
@@ -128,7 +131,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embedding = Embedding(cfg)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.n_layers))
         self.final_norm = make_norm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
@@ -151,12 +154,20 @@ class GPT(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def moe_loss(self) -> torch.Tensor | float:
+        """The routers' auxiliary losses of the last forward (0.0 without experts)."""
+        return sum((m.aux_loss for m in self.moe_layers()), 0.0)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """With experts, the loss includes their auxiliary losses (moe_loss)."""
         logits = self.run_layers(self.embed(tokens)) @ self.output_weight().t()
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return logits, loss
+        return logits, loss + self.moe_loss()
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
@@ -171,6 +182,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
                 p.fill_(1.0)
             else:
                 std = cfg.init_std
-                if name.endswith(("attention.out.weight", "mlp.fc2.weight")):
+                if name.endswith(("attention.out.weight", "mlp.fc2.weight", "experts.fc2.weight")):
                     std /= math.sqrt(2 * cfg.n_layers)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,11 @@
+"""Mixture of experts and expert parallelism: router.py (top-k gating, capacity, auxiliary
+losses), experts.py (the local experts as one batched matmul), dispatch.py (all-to-all and
+all-gather token dispatch), layer.py (the expert-parallel layer), reference.py (one device)."""
+from .dispatch import AllGatherDispatcher, AllToAllDispatcher
+from .experts import GroupedExperts
+from .layer import ParallelMoE, check_moe_grid
+from .reference import MoE
+from .router import Routing, imbalance, route, update_expert_bias
+
+__all__ = ["MoE", "ParallelMoE", "GroupedExperts", "AllToAllDispatcher", "AllGatherDispatcher",
+           "Routing", "route", "imbalance", "update_expert_bias", "check_moe_grid"]

@@ -1,0 +1,144 @@
+"""Moving tokens to the ranks that hold their experts, and the results back.
+
+The group is `tp_ep` (minitron/grid.py): with sequence parallelism every rank of it holds
+different tokens, and expert e lives on ep rank e // E_local, split across that rank's tp
+ranks. Its members are numbered d = ep_rank * tp + tp_rank.
+
+All-to-all (Megatron-Core's MoEAlltoAllTokenDispatcher), per MoE layer and step:
+  1. permute   sort this rank's kept (token, expert) pairs by expert: the pairs bound for
+               ep rank j are then one contiguous block, sent to each of j's tp ranks
+               (each holds a slice of every one of j's experts);
+  2. counts    all-to-all of the per-expert counts, so each rank knows how many rows it
+               receives from whom (the uneven split sizes of step 3);
+  3. dispatch  all-to-all of the rows; they arrive ordered by source, then local expert;
+  4. experts   regroup by local expert, one batched matmul (experts.py);
+  5. combine   undo the regrouping, all-to-all back (the same split sizes, swapped), sum the
+               tp partial sums of each pair (index_add), weight by the gates and add up a
+               token's k pairs: out_t = sum_k gate_tk * expert_k(x_t).
+Bytes per layer forward, with M_d rows sent to member d (h values each, `elem` bytes):
+  counts    R * E_local int64 per rank;  dispatch and combine  sum_d M_d * h * elem each;
+backward moves the same rows the other way. Only the rows whose destination is another rank
+leave it (comm counts those as wire bytes).
+
+All-gather (Megatron-Core's MoEAllGatherTokenDispatcher): every rank gathers every token of
+the group with its routing, computes its own experts' share for all of them and
+reduce-scatters the result: R * n * h values per rank each way, whatever the routing, so
+its traffic grows with the group while the all-to-all's stays at the k chosen copies.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..comm import Group
+from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                        reduce_scatter_to_sequence_parallel_region)
+from .experts import GroupedExperts
+from .router import Routing
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all with uneven splits; its adjoint is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return comm.all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return comm.all_to_all(grad.contiguous(), ctx.group, in_splits, out_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group: Group, output_splits: list[int],
+               input_splits: list[int]) -> torch.Tensor:
+    return x if group.size == 1 else _AllToAll.apply(x, group, output_splits, input_splits)
+
+
+def pairs_by_expert(r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair indices, their experts): the kept pairs, flattened token-major (pair = token*k +
+    slot), sorted by expert; ties keep token order (a stable sort)."""
+    experts = r.experts.reshape(-1)
+    kept = torch.nonzero(r.keep.reshape(-1)).squeeze(1)
+    order = torch.sort(experts[kept], stable=True).indices
+    pairs = kept[order]
+    return pairs, experts[pairs]
+
+
+def combine(y_pairs: torch.Tensor, r: Routing) -> torch.Tensor:
+    """[n*k, h] expert outputs per pair (zero where dropped) -> [n, h], weighted by the gates."""
+    n, k = r.gates.shape
+    return (y_pairs.view(n, k, -1) * r.gates[..., None]).sum(1)
+
+
+class AllToAllDispatcher:
+    """Steps 1-5 of the module docstring. `plant` (verify's tests): "split" gives one row of
+    the first local expert to the next in the grouped matmul, "unpermute" shifts the undoing
+    of the regrouping by one row."""
+
+    def __init__(self, group: Group, n_experts: int, ep: int, tp: int, tp_rank: int):
+        self.group, self.n_experts, self.ep, self.tp, self.tp_rank = group, n_experts, ep, tp, tp_rank
+        self.local = n_experts // ep
+        self.plant: str | None = None
+
+    def __call__(self, x: torch.Tensor, r: Routing, experts: GroupedExperts) -> torch.Tensor:
+        n, h = x.shape
+        k, E, El, R = r.experts.shape[1], self.n_experts, self.local, self.group.size
+        pairs, pair_experts = pairs_by_expert(r)                                    # 1. permute
+        counts = torch.bincount(pair_experts, minlength=E)
+        ends = counts.cumsum(0)[El - 1::El].tolist()                    # block end per ep rank
+        starts = [0, *ends[:-1]]
+        # member d = j * tp + t gets ep rank j's block (every tp rank of j gets a copy)
+        send = torch.cat([pairs[starts[j]:ends[j]] for j in range(self.ep) for _ in range(self.tp)])
+        in_splits = [ends[j] - starts[j] for j in range(self.ep) for _ in range(self.tp)]
+        send_counts = counts.view(self.ep, 1, El).expand(self.ep, self.tp, El).reshape(-1)
+        recv_counts = comm.all_to_all(send_counts.contiguous(), self.group).view(R, El)   # 2.
+        out_splits = recv_counts.sum(1).tolist()
+        rows = x[torch.div(send, k, rounding_mode="floor")]
+        received = all_to_all(rows, self.group, out_splits, in_splits)            # 3. dispatch
+        local_expert = torch.arange(El, device=x.device).repeat(R)
+        row_expert = torch.repeat_interleave(local_expert, recv_counts.reshape(-1))
+        regroup = torch.sort(row_expert, stable=True).indices                       # 4. experts
+        source = torch.repeat_interleave(torch.arange(R, device=x.device), recv_counts.sum(1))
+        # fc2's bias once per pair: by the tp rank whose number is the source's tp rank
+        bias_rows = (source % self.tp == self.tp_rank)[regroup]
+        group_counts = recv_counts.sum(0).tolist()
+        if self.plant == "split" and El > 1 and group_counts[0] > 0:
+            group_counts[0], group_counts[1] = group_counts[0] - 1, group_counts[1] + 1
+        y = experts(received[regroup], group_counts, bias_rows)
+        undo = torch.argsort(regroup)                                               # 5. combine
+        if self.plant == "unpermute" and undo.numel() > 1:
+            undo = undo.roll(1)
+        back = all_to_all(y[undo], self.group, in_splits, out_splits)
+        y_pairs = x.new_zeros(n * k, h).index_add(0, send, back)     # sums the tp partial sums
+        return combine(y_pairs, r)
+
+
+class AllGatherDispatcher:
+    """Every token to every rank of the group; each computes its experts' part; reduce-scatter.
+
+    Needs the same number of tokens on every rank of the group (true under SP and DP)."""
+
+    def __init__(self, group: Group, n_experts: int, ep: int, tp: int, tp_rank: int, ep_rank: int):
+        self.group, self.tp, self.tp_rank = group, tp, tp_rank
+        self.local = n_experts // ep
+        self.first = ep_rank * self.local
+        self.plant: str | None = None
+
+    def __call__(self, x: torch.Tensor, r: Routing, experts: GroupedExperts) -> torch.Tensor:
+        n, h = x.shape
+        k = r.experts.shape[1]
+        xs = gather_from_sequence_parallel_region(x, self.group, dim=0)          # [R*n, h]
+        gates = gather_from_sequence_parallel_region(r.gates, self.group, dim=0)   # [R*n, k]
+        chosen = comm.all_gather(r.experts, self.group, dim=0).reshape(-1)
+        keep = comm.all_gather(r.keep.to(torch.uint8), self.group, dim=0).reshape(-1).bool()
+        mine = keep & (chosen >= self.first) & (chosen < self.first + self.local)
+        pairs = torch.nonzero(mine).squeeze(1)
+        pairs = pairs[torch.sort(chosen[pairs], stable=True).indices]
+        counts = torch.bincount(chosen[pairs] - self.first, minlength=self.local).tolist()
+        token = torch.div(pairs, k, rounding_mode="floor")
+        bias_rows = torch.div(token, n, rounding_mode="floor") % self.tp == self.tp_rank
+        y = experts(xs[token], counts, bias_rows) * gates.reshape(-1)[pairs][:, None]
+        out = xs.new_zeros(xs.shape).index_add(0, token, y)          # this rank's partial sums
+        return reduce_scatter_to_sequence_parallel_region(out, self.group, dim=0)

@@ -1,0 +1,105 @@
+"""The experts one rank holds, run as one batched matmul rather than a loop over experts.
+
+Each expert is the dense model's MLP (fc1, activation, fc2; SwiGLU adds a gate). The weights
+of the E_local experts on this rank are stacked along a leading expert dimension, in the
+layout of nn.Linear (out_features, in_features):
+
+  fc1.weight [E_local, ffn/tp, h]   fc1.bias [E_local, ffn/tp]     (gate.* the same, SwiGLU)
+  fc2.weight [E_local, h, ffn/tp]   fc2.bias [E_local, h]
+
+Tensor parallelism splits *inside* each expert, exactly as in the dense MLP: fc1 by columns
+(ffn), fc2 by rows, so a tp rank's fc2 output is a partial sum, completed by summing over tp
+(the dispatcher does it on the way back). fc2's bias must be added once per token: the
+dispatcher says which rows are this rank's to add it to (`bias_rows`).
+
+The tokens arrive sorted by expert with `counts[e]` rows for expert e. They are placed into a
+zero-padded [E_local, max count, h] tensor so one torch.bmm runs every expert at once (a
+grouped GEMM on a GPU does the same without the padding); padded rows are computed and thrown
+away, never read back, so they receive no gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..model.config import ModelConfig
+
+
+class StackedLinear(nn.Module):
+    """E Linear layers of the same shape, weights [E, out, in], bias [E, out]."""
+
+    def __init__(self, n: int, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """x [E, c, in] -> [E, c, out]."""
+        y = torch.bmm(x, self.weight.transpose(1, 2))
+        return y + self.bias[:, None, :] if with_bias and self.bias is not None else y
+
+
+class GroupedExperts(nn.Module):
+    """`n_local` experts, each split `tp` ways inside (tp=1: whole experts)."""
+
+    def __init__(self, cfg: ModelConfig, n_local: int, tp: int = 1):
+        super().__init__()
+        if cfg.ffn % tp:
+            raise ValueError(f"ffn_hidden={cfg.ffn} is not divisible by tp={tp}: each rank must "
+                             "own whole columns of every expert; choose a multiple of tp")
+        self.cfg, self.n_local, width = cfg, n_local, cfg.ffn // tp
+        if cfg.activation == "swiglu":
+            self.gate = StackedLinear(n_local, cfg.hidden, width, cfg.bias)
+        self.fc1 = StackedLinear(n_local, cfg.hidden, width, cfg.bias)
+        self.fc2 = StackedLinear(n_local, width, cfg.hidden, cfg.bias)
+
+    def forward(self, x: torch.Tensor, counts: list[int],
+                bias_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, h] sorted by local expert (counts[e] rows each) -> [m, h].
+
+        fc2's bias is added to the rows where `bias_rows` is True (all rows when None)."""
+        m, h = x.shape   # m may be 0: the weights then get zero gradients, as they should
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                         torch.tensor(counts, device=x.device))
+        starts = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0)
+        slot = torch.arange(m, device=x.device) - starts[expert]
+        padded = x.new_zeros(self.n_local, max(counts), h)
+        padded = padded.index_put((expert, slot), x)                  # [E_local, c, h]
+        up = self.fc1(padded)
+        if self.cfg.activation == "swiglu":
+            act = F.silu(self.gate(padded)) * up
+        else:
+            act = F.gelu(up)
+        y = self.fc2(act, with_bias=False)[expert, slot]                # [m, h]
+        if self.fc2.bias is not None:
+            b = self.fc2.bias[expert]
+            y = y + (b if bias_rows is None else b * bias_rows[:, None].to(b.dtype))
+        return y
+
+
+
+# How a tensor of GroupedExperts is cut: expert parallelism always splits dim 0 (expert e on
+# ep rank e // E_local); tensor parallelism splits inside each expert along this dimension
+# (None: every tp rank holds it whole, like a row-parallel bias).
+TP_DIM = {"fc1.weight": 1, "fc1.bias": 1, "gate.weight": 1, "gate.bias": 1,
+          "fc2.weight": 2, "fc2.bias": None}
+
+
+def shard_expert_tensor(full: torch.Tensor, key: str, ep: int, ep_rank: int, tp: int,
+                        tp_rank: int) -> torch.Tensor:
+    """This rank's piece of an experts' tensor `key` (e.g. "fc1.weight") of shape [E, ...]."""
+    mine = full.chunk(ep, 0)[ep_rank]
+    dim = TP_DIM[key]
+    return (mine if dim is None else mine.chunk(tp, dim)[tp_rank]).clone()
+
+
+def shard_moe_state_dict(full_sd: dict, ep: int, ep_rank: int, tp: int, tp_rank: int) -> dict:
+    """A ParallelMoE's state dict from a reference MoE's (router replicated)."""
+    out = {}
+    for name, t in full_sd.items():
+        if name.startswith("experts."):
+            out[name] = shard_expert_tensor(t, name[len("experts."):], ep, ep_rank, tp, tp_rank)
+        else:
+            out[name] = t.clone()
+    return out

@@ -1,0 +1,111 @@
+"""The expert-parallel MoE layer: the dense MLP's interface, forward(x) -> y, on the grid.
+
+Where everything lives (minitron/grid.py's groups):
+  router          replicated on every rank; a dense parameter (its gradient is averaged over
+                  dense_dp like the attention's). Under SP each tp rank routes its own
+                  tokens, so its gradient is partial: marked `sequence_parallel`, summed over tp.
+  experts         expert e on ep rank e // (E / ep), split by tp inside (experts.py); every
+                  parameter marked `allreduce = False`: data-parallel code sums expert
+                  gradients over dp_cp (the ranks holding the same expert), not dense_dp.
+  tokens          dispatched over tp_ep (dispatch.py).
+
+Why EP with TP needs sequence parallelism: the dispatcher sends each token from the one rank
+of tp_ep that holds it. Without SP every tp rank holds every token of its sequence, so each
+token would be sent, computed and returned tp times over (and counted tp times in the
+combine). With SP the tp ranks hold disjoint slices of the sequence: each token is on exactly
+one rank, as the all-to-all assumes. ParallelConfig-level rule, checked here:
+`check_moe_grid`.
+
+The auxiliary losses and the statistics are those of the whole batch: the per-expert counts
+are summed over the ranks that hold other tokens (dense_dp, and tp under SP; an all-reduce of E
+integers each), and the layer's loss term is arranged so that the data-parallel mean (and the
+tp sum, through g) of the ranks' terms is the single-device number (router.aux_losses).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..grid import Grid, ParallelConfig
+from ..model.config import ModelConfig
+from ..tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from .dispatch import AllGatherDispatcher, AllToAllDispatcher
+from .experts import GroupedExperts
+from .router import aux_losses, apply_capacity, choice_counts, route, tokens_per_expert
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def check_moe_grid(pcfg: ParallelConfig, cfg: ModelConfig) -> None:
+    """The grid rules of a model with experts (ValueError with the fix)."""
+    if not cfg.n_experts:
+        if pcfg.ep > 1:
+            raise ValueError(f"ep={pcfg.ep} splits experts, but the model has none: set "
+                             "ModelConfig.n_experts (a multiple of ep) or ep=1")
+        return
+    if cfg.n_experts % pcfg.ep:
+        raise ValueError(f"n_experts={cfg.n_experts} is not divisible by ep={pcfg.ep}: every "
+                         "expert-parallel rank must own the same number of experts")
+    if pcfg.tp > 1 and not pcfg.sequence_parallel:
+        raise ValueError("MoE layers with tp > 1 need sequence parallelism (each token must live "
+                         "on one rank of the tp x ep dispatch group): add sequence_parallel=True / --sp")
+    if pcfg.cp > 1 and cfg.capacity_factor is not None:
+        raise ValueError("a capacity factor with cp > 1 is not supported (the per-sequence "
+                         "capacity would need counts across the zigzag chunks): use capacity_factor=None")
+
+
+class ParallelMoE(nn.Module):
+    """This rank's share of one MoE layer; forward(x [b, s_local, h]) -> [b, s_local, h]."""
+
+    def __init__(self, cfg: ModelConfig, grid: Grid, dispatcher: str = "alltoall"):
+        super().__init__()
+        check_moe_grid(grid.config, cfg)
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher={dispatcher!r}: choose one of {DISPATCHERS}")
+        self.cfg, self.grid = cfg, grid
+        self.sp = grid.sequence_parallel
+        ep, tp = grid.ep.size, grid.tp.size
+        self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False)
+        self.experts = GroupedExperts(cfg, cfg.n_experts // ep, tp)
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if cfg.expert_bias else None,
+                             persistent=False)
+        for p in self.experts.parameters():
+            p.allreduce = False                        # reduced over dp_cp (data_parallel/ddp.py)
+        self.router.weight.sequence_parallel = self.sp
+        if self.experts.fc2.bias is not None:          # added by one tp rank per token
+            self.experts.fc2.bias.sequence_parallel = self.sp
+        if dispatcher == "alltoall":
+            self.dispatcher = AllToAllDispatcher(grid.tp_ep, cfg.n_experts, ep, tp, grid.tp.rank)
+        else:
+            self.dispatcher = AllGatherDispatcher(grid.tp_ep, cfg.n_experts, ep, tp, grid.tp.rank,
+                                                  grid.ep.rank)
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.routing = None
+
+    def _token_groups(self):
+        """The groups whose ranks hold other tokens of the batch."""
+        return [self.grid.dense_dp] + ([self.grid.tp] if self.sp else [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s_local, h = x.shape
+        cfg, grid = self.cfg, self.grid
+        flat = x.reshape(-1, h)
+        r = route(self.router(flat), cfg, self.expert_bias)
+        offsets = None
+        if cfg.capacity_factor is not None and self.sp:
+            # tokens of the same sequences that earlier tp ranks sent to each expert
+            per_rank = comm.all_gather(choice_counts(r.experts, cfg.n_experts, b)[None], grid.tp, dim=0)
+            offsets = per_rank[:grid.tp.rank].sum(0)
+        seq = s_local * (grid.tp.size if self.sp else 1)
+        r = apply_capacity(r, cfg, rows=b, seq=seq, offsets=offsets)
+        counts = tokens_per_expert(r, cfg.n_experts)
+        for g in self._token_groups():
+            counts = comm.all_reduce(counts, g)
+        replicas = grid.dense_dp.size
+        tokens = flat.shape[0] * replicas * (grid.tp.size if self.sp else 1)
+        aux = aux_losses(r, cfg, counts, tokens, local_share=replicas)
+        self.aux_loss = reduce_from_tensor_model_parallel_region(aux, grid.tp) if self.sp else aux
+        self.tokens_per_expert, self.routing = counts, r
+        return self.dispatcher(flat, r, self.experts).view(b, s_local, h)
