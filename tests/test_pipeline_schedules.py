@@ -290,3 +290,16 @@ def test_receiving_just_in_time_deadlocks_interleaved():
     check(lazy_messages(make_schedule("1f1b", 4, 8)))
     with pytest.raises(ScheduleError, match="deadlocks.*rank 0 is stuck.*rank 1 is stuck"):
         check(lazy_messages(make_schedule("interleaved", 2, 4, 2)))
+
+
+def test_messages_listed_in_another_order_than_sent_are_rejected():
+    """Backends pair a rank's messages to another by posting order: swapped receives would
+    silently swap two micro-batches' activations (same shapes), so the checker refuses them."""
+    s = make_schedule("gpipe", 2, 2)
+    rest = [a for a in s.actions[1] if a.kind != RECV_F]
+    swapped = [Action(RECV_F, 1, 1, 0), Action(RECV_F, 0, 1, 0)] + rest
+    with pytest.raises(ScheduleError, match=r"rank 1, action 0 \(RECV_F1@s1<-0\): is rank 1's "
+                                            r"receive number 0 from rank 0, whose send number 0 "
+                                            r"is SEND_F0@s0->1"):
+        check(edited(s, 1, swapped))
+    check(edited(s, 1, [Action(RECV_F, 0, 1, 0), Action(RECV_F, 1, 1, 0)] + rest))  # in order

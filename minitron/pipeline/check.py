@@ -12,6 +12,8 @@ activation memory. What must hold:
    must come after the compute that makes its tensor.
 3. Matching. Each SEND_F of stage s from rank a to rank b has exactly one RECV_F of stage s+1
    on b from a (and SEND_B of s one RECV_B of s-1), and every peer is the stage's real rank.
+   Between two ranks they come in the same order on both ends: backends match messages by
+   posting order, not by content, and the tensors all have one shape.
 4. No deadlock. Consecutive messages on a rank are one batch (batch_isend_irecv). Under
    rendezvous semantics, the strictest a backend may be, a batch completes only once every
    op's counterpart has been posted by the peer. Stepping all ranks until none can move either
@@ -147,6 +149,20 @@ def _check_matched(schedule: Schedule) -> None:
         for key, (rank, i, a) in mine.items():
             if key not in theirs:
                 raise ScheduleError(f"{_where(rank, i, a)}: no action on rank {a.peer} {verb} it")
+    # NCCL and gloo match the messages from one rank to another by posting order, not content:
+    # a receiver listing them in another order would get the tensors swapped (same shapes).
+    pairs: dict[tuple[int, int], dict[str, list]] = {}
+    for table, side in ((sends, "send"), (recvs, "recv")):
+        for key, where in sorted(table.items(), key=lambda kv: kv[1][:2]):
+            pairs.setdefault((key[3], key[4]), {"send": [], "recv": []})[side].append((key, where))
+    for (src, dst), both in sorted(pairs.items()):
+        for n, ((k_send, _), (k_recv, (rank, i, a))) in enumerate(zip(both["send"], both["recv"])):
+            if k_send != k_recv:
+                sent = both["send"][n][1][2]
+                raise ScheduleError(f"{_where(rank, i, a)}: is rank {dst}'s receive number {n} from "
+                                    f"rank {src}, whose send number {n} is {sent}; messages "
+                                    f"between two ranks are matched in posting order, so list "
+                                    f"them in the same order on both")
 
 
 def batches(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
@@ -177,8 +193,10 @@ def _check_no_deadlock(schedule: Schedule) -> dict[int, int]:
             while done[r] < len(rs):
                 start, end = rs[done[r]]
                 for i in range(start, end):          # posting is non-blocking
-                    a = schedule.actions[r][i]
-                    (posted_sends if a.kind.startswith("SEND") else posted_recvs).add(key[r, i])
+                    posted = posted_sends if schedule.actions[r][i].kind.startswith("SEND") \
+                        else posted_recvs
+                    moved |= key[r, i] not in posted     # a new post may free a peer
+                    posted.add(key[r, i])
                 if not all(key[r, i] in (posted_recvs if schedule.actions[r][i].kind
                                          .startswith("SEND") else posted_sends)
                            for i in range(start, end)):
