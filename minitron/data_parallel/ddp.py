@@ -177,6 +177,8 @@ class DataParallel:
         if self.zero_stage == 0:
             return
         for gb in self.buffers:
+            if gb.group.size == 1:
+                continue                      # this rank updated everything itself
             for b, (s, e) in zip(gb.layout.buckets, gb.owned):
                 pending = comm_async.all_gather(gb.params_flat[s:e].clone(), gb.group,
                                                 out=gb.params_flat[b.start:b.end])

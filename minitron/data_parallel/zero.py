@@ -48,29 +48,48 @@ class ZeroOptimizer:
                              f"got lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={betas}")
         self.engine = engine
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        owned = engine.owned_params()
-        self.sizes = [t.numel() for t in owned]
-        self.master = torch.cat([t.detach().reshape(-1).float() for t in owned])   # a copy: fp32
+        owned, in_place = one_flat(engine.owned_params())
+        # An fp32 model is its own master copy: step its owned elements in place (no second
+        # copy, nothing to write back). A 16-bit model gets fp32 masters.
+        self.master_is_model = in_place and owned.dtype == torch.float32
+        self.master = owned if self.master_is_model else owned.detach().float().clone()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
 
     @torch.no_grad()
     def step(self, grad_scale: float = 1.0) -> None:
-        grads = torch.cat([g.reshape(-1).float() for g in self.engine.owned_grads()])
+        grads = one_flat(self.engine.owned_grads())[0].float()   # no copy for fp32 in one piece
         if grad_scale != 1.0:
-            grads.div_(grad_scale)
+            grads = grads / grad_scale              # not in place: it may be the engine's buffer
         self.step_count += 1
         beta1, beta2 = self.betas
         ops.fused_adamw_step(self.master, grads, self.exp_avg, self.exp_avg_sq, lr=self.lr,
                              beta1=beta1, beta2=beta2, eps=self.eps,
                              weight_decay=self.weight_decay, step=self.step_count)
-        for param, master in zip(self.engine.owned_params(), self.master.split(self.sizes)):
-            param.copy_(master)                     # rounds to the model's dtype
+        if not self.master_is_model:
+            owned = self.engine.owned_params()
+            for param, master in zip(owned, self.master.split([t.numel() for t in owned])):
+                param.copy_(master)                 # rounds to the model's dtype
         self.engine.after_step()
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [self.master, self.exp_avg, self.exp_avg_sq]
+        """What this optimizer adds: the moments, and the fp32 masters unless they are the model."""
+        masters = [] if self.master_is_model else [self.master]
+        return masters + [self.exp_avg, self.exp_avg_sq]
+
+
+def one_flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """(`tensors` end to end as one flat tensor, whether that is a view of theirs): a view when
+    they lie end to end in one storage (one bucket, a stage-3 shard), else a copy."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != storage
+                or t.storage_offset() != offset):
+            return torch.cat([t.reshape(-1) for t in tensors]), False
+        offset += t.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,)), True
 
 
 # ---- stage 3 ---------------------------------------------------------------------------------
@@ -100,7 +119,7 @@ class _Unit:
         self.full = flatten_into(self.layout, first.dtype, first.device)
         size = self.layout.numel // n
         self.range = (rank * size, (rank + 1) * size)
-        self.shard = self.full[self.range[0]:self.range[1]].clone()
+        self.shard = self.full[self.range[0]:self.range[1]].clone()   # ZeroStage3 re-homes these
         self.grad_shard = torch.zeros_like(self.shard)
         self.gathered, self.ready = True, 0
         self.free()
@@ -155,6 +174,15 @@ class ZeroStage3:
         self.scale = 1.0 / grid.dense_dp.size
         rank = self.group.rank
         self.units = [_Unit(u, self.group, rank) for u in units]
+        # All shards end to end in one tensor (and the gradient shards in another), so the
+        # optimizer steps them as one flat tensor, as it does a DataParallel bucket.
+        self.shards = torch.cat([u.shard for u in self.units])
+        self.grad_shards = torch.zeros_like(self.shards)
+        offset = 0
+        for u in self.units:
+            n = u.shard.numel()
+            u.shard, u.grad_shard = self.shards[offset:offset + n], self.grad_shards[offset:offset + n]
+            offset += n
         self.unit_of = {p: u for u in self.units for p in u.params}
         self._hooks = []
         for u in self.units:
