@@ -1,10 +1,23 @@
-"""python -m minitron.bench overhead | kernels
+"""python -m minitron.bench overhead | overlap | kernels
 
-overhead: what the parallel machinery costs when there is nothing to split. ParallelGPT at
-tp=1 (a world of one rank: every mapping is the identity, every collective is skipped) and the
-reference GPT train on the same batch in the same process, one full step each (forward,
-backward, AdamW), alternating so that both see the same machine state, several repeats; the
-medians are compared. Target: parallel / reference <= 1.10.
+overhead: what the parallel machinery costs when there is nothing to split. The reference GPT
+and each parallel path at size one train on the same batch in the same process, one full step
+each (forward, backward, gradient fix-ups, optimizer), in a rotating order so that all see the
+same machine state, several repeats; the medians are compared:
+  ParallelGPT, tp=1                 every mapping the identity, every collective skipped
+  pipeline pp=1, 1f1b m=1           PipelineGPT's one stage run by the executor from a schedule
+                                    (every action timed; activation memory not tracked)
+  data parallel dp=1, ZeRO 0/1/3    flat buffers, bucket hooks, ZeroOptimizer's AdamW on the
+                                    (here whole) fp32 master shard; ZeRO-3's gather/free hooks
+Targets: parallel / reference <= 1.10 for ParallelGPT, <= 1.05 for the pipeline and data-
+parallel paths (they add no arithmetic to ParallelGPT's). Both clocks are printed: wall time,
+and the process's CPU time, which the ratio uses: every path runs on one thread, so CPU time
+is its work, while wall time also counts whatever else the machine runs meanwhile (on a shared
+2-core machine, easily 2x). The ratio is the median over rounds of path / reference within
+each round (`paired_ratio`), so a slow spell that hits a whole round cancels out.
+
+overlap: at dp=2 on the CPU (gloo), the share of the gradient all-reduce time hidden behind
+backward, from a measured timeline (minitron/bench_overlap.py).
 
 kernels: the fused Triton kernels' benchmark (minitron.kernels.bench), when it is installed.
 """
@@ -26,43 +39,85 @@ from .model.parallel import ParallelGPT
 from .model.reference import GPT
 from .verify import make_batch, parallel_step, reference_step
 
-TARGET = 1.10
+TARGET = 1.10            # ParallelGPT at tp=1
+PATH_TARGET = 1.05       # the pipeline executor and the data-parallel engines on top of it
 OVERHEAD_CONFIG = ModelConfig(vocab_size=2048, seq_len=128, hidden=256, n_layers=4, n_heads=8,
                               dropout=0.1)
 
 
-def _time_step(step) -> float:
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
+def _adamw(model: torch.nn.Module):
+    """torch's AdamW on `model`: a function that steps it and clears the gradients."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _paths(cfg: ModelConfig, batch: int, grid) -> dict:
+    """label -> (target, or None for the reference; one training step), all from one reference."""
+    from .data_parallel import wrap
+    from .data_parallel.step import forward_backward
+    from .pipeline import make_schedule
+    from .pipeline.executor import run_schedule
+    from .pipeline.partition import PipelineGPT
+
+    ref = GPT(cfg, seed=0)
+    tokens, targets = make_batch(0, 0, batch, cfg.seq_len, cfg.vocab_size)
+    par = ParallelGPT.from_reference(ref, grid)
+    pipe = PipelineGPT.from_reference(ref, grid)
+    schedule = make_schedule("1f1b", 1, 1)
+    ref_step, par_step, pipe_step = _adamw(ref), _adamw(par), _adamw(pipe)
+
+    def reference():
+        reference_step(ref, tokens, targets, 0)
+        ref_step()
+
+    def parallel():
+        parallel_step(par, tokens, targets, 0)
+        par_step()
+
+    def pipeline():
+        pipe.rng.reset(0)
+        run_schedule(schedule, pipe, tokens, targets, keep_outputs=False)
+        pipe_step()
+
+    def data_parallel(stage: int):
+        model = ParallelGPT.from_reference(ref, grid)
+        engine, opt = wrap(model, grid, zero_stage=stage, lr=1e-4)
+
+        def run():
+            engine.zero_grad()
+            forward_backward(model, engine, tokens, targets, step_seed=0)
+            engine.finish_grad_sync()
+            opt.step()
+        return run
+
+    return {"reference GPT": (None, reference),
+            "ParallelGPT, tp=1": (TARGET, parallel),
+            "pipeline pp=1, 1f1b m=1": (PATH_TARGET, pipeline),
+            "data parallel dp=1": (PATH_TARGET, data_parallel(0)),
+            "ZeRO-1 dp=1": (PATH_TARGET, data_parallel(1)),
+            "ZeRO-3 dp=1": (PATH_TARGET, data_parallel(3))}
 
 
 def _overhead_rank(cfg: ModelConfig, batch: int, repeats: int, warmup: int) -> dict:
-    grid = build_grid(ParallelConfig(tp=1))
-    ref = GPT(cfg, seed=0)
-    par = ParallelGPT.from_reference(ref, grid)
-    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (ref, par)}
-    tokens, targets = make_batch(0, 0, batch, cfg.seq_len, cfg.vocab_size)
-
-    def train_step(model):
-        def run():
-            if model is ref:
-                reference_step(ref, tokens, targets, 0)
-            else:
-                parallel_step(par, tokens, targets, 0)
-            opts[model].step()
-            opts[model].zero_grad(set_to_none=True)
-        return run
-
-    times = {"reference": [], "parallel": []}
+    paths = _paths(cfg, batch, build_grid(ParallelConfig(tp=1)))
+    names = list(paths)
+    times = {n: {"wall": [], "cpu": []} for n in names}
     for i in range(warmup + repeats):
-        # Alternate which goes first, so neither always runs on a warmer cache.
-        order = [("reference", ref), ("parallel", par)]
-        for name, model in (order if i % 2 == 0 else order[::-1]):
-            t = _time_step(train_step(model))
+        # Rotate which goes first, so none always runs on a warmer (or colder) cache.
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            w0, c0 = time.perf_counter(), time.process_time()
+            paths[name][1]()
+            w1, c1 = time.perf_counter(), time.process_time()
             if i >= warmup:
-                times[name].append(t)
-    return {"times": times, "threads": torch.get_num_threads()}
+                times[name]["wall"].append(w1 - w0)
+                times[name]["cpu"].append(c1 - c0)
+    return {"times": times, "targets": {n: t for n, (t, _) in paths.items()},
+            "threads": torch.get_num_threads()}
 
 
 def machine() -> str:
@@ -83,23 +138,33 @@ def overhead(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     args = p.parse_args(argv)
     cfg = OVERHEAD_CONFIG
-    # gloo: both models on the CPU. On a GPU machine launch would pick nccl for one rank and put
-    # ParallelGPT on the GPU, next to a reference and a batch still on the CPU.
+    # gloo: every model on the CPU. On a GPU machine launch would pick nccl for one rank and put
+    # the parallel models on the GPU, next to a reference and a batch still on the CPU.
     out = launch(_overhead_rank, cfg, args.batch, args.repeats, args.warmup, world_size=1,
                  backend="gloo")[0]
-    ref_ms = 1e3 * statistics.median(out["times"]["reference"])
-    par_ms = 1e3 * statistics.median(out["times"]["parallel"])
-    ratio = par_ms / ref_ms
+    times = out["times"]
+    ms = {n: {c: 1e3 * statistics.median(v) for c, v in t.items()} for n, t in times.items()}
     print(f"machine: {machine()}")
     print(f"config:  {cfg}")
-    print(f"step:    forward + backward + AdamW, batch {args.batch} x {cfg.seq_len} tokens, float32, "
-          f"{out['threads']} thread(s), median of {args.repeats} interleaved repeats "
-          f"after {args.warmup} warm-up")
-    print(f"reference GPT             {ref_ms:9.2f} ms")
-    print(f"ParallelGPT, tp=1         {par_ms:9.2f} ms")
-    verdict = "met" if ratio <= TARGET else "NOT met"
-    print(f"ratio parallel/reference  {ratio:9.3f}   (target <= {TARGET:.2f}: {verdict})")
+    print(f"step:    forward + backward + optimizer, batch {args.batch} x {cfg.seq_len} tokens, "
+          f"float32, {out['threads']} thread(s), median of {args.repeats} rotated rounds after "
+          f"{args.warmup} warm-up; ratio: the median over rounds of this path's CPU time over "
+          f"the reference's in the same round")
+    print(f"{'':26}{'wall ms':>10}{'cpu ms':>10}{'ratio to reference':>20}")
+    for name, target in out["targets"].items():
+        row = f"{name:26}{ms[name]['wall']:10.2f}{ms[name]['cpu']:10.2f}"
+        if target is not None:
+            ratio = paired_ratio(times[name]["cpu"], times["reference GPT"]["cpu"])
+            verdict = "met" if ratio <= target else "NOT met"
+            row += f"{ratio:20.3f}   (target <= {target:.2f}: {verdict})"
+        print(row)
     return 0
+
+
+def paired_ratio(times: list[float], reference: list[float]) -> float:
+    """median_i times[i] / reference[i]: round i ran both within a second or two, so a slow
+    spell of the machine (another process, a frequency change) cancels out of each ratio."""
+    return statistics.median(t / r for t, r in zip(times, reference))
 
 
 def kernels(argv: list[str]) -> int:
@@ -111,9 +176,14 @@ def kernels(argv: list[str]) -> int:
     return kernel_bench.run(argv) or 0
 
 
+def overlap(argv: list[str]) -> int:
+    from .bench_overlap import run
+    return run(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"overhead": overhead, "kernels": kernels}
+    commands = {"overhead": overhead, "overlap": overlap, "kernels": kernels}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m minitron.bench {{{','.join(commands)}}} [options]\n\n{__doc__}",
               file=sys.stderr)

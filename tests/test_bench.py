@@ -1,24 +1,67 @@
-"""The benchmarks: the overhead benchmark states its config, timings, ratio and verdict; the
-kernels' benchmark checks every kernel it times against the eager op, and its error column
-would catch a wrong kernel."""
+"""The benchmarks: the overhead benchmark states its config, timings, and a ratio and verdict for
+every path (ParallelGPT, the pipeline executor, data parallel and ZeRO at size one); the overlap
+benchmark draws its timeline and prints the hidden share and what limits it; the kernels'
+benchmark checks every kernel it times against the eager op, and its error column would catch a
+wrong kernel. Smoke tests at tiny shapes: no timing is asserted."""
 import csv
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from minitron import bench
+from minitron import bench, bench_overlap
 from minitron.kernels import bench as kernels_bench, ops
+from minitron.model.config import ModelConfig
+
+TINY = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
+PATHS = {"ParallelGPT, tp=1": "1.10", "pipeline pp=1, 1f1b m=1": "1.05",
+         "data parallel dp=1": "1.05", "ZeRO-1 dp=1": "1.05", "ZeRO-3 dp=1": "1.05"}
 
 
-def test_overhead_runs_and_reports(capsys):
-    assert bench.main(["overhead", "--repeats", "1", "--warmup", "0", "--batch", "1"]) == 0
+def test_overhead_runs_and_reports(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "OVERHEAD_CONFIG", TINY)
+    assert bench.main(["overhead", "--repeats", "2", "--warmup", "0", "--batch", "2"]) == 0
     out = capsys.readouterr().out
-    for label in ("machine:", "config:  ModelConfig(", "reference GPT", "ParallelGPT, tp=1",
-                  "ratio parallel/reference", "target <= 1.10: "):
+    for label in ("machine:", "config:  ModelConfig(vocab_size=64,", "reference GPT", "wall ms",
+                  "cpu ms", "ratio to reference"):
         assert label in out
+    lines = out.splitlines()
+    for path, target in PATHS.items():
+        row = [line for line in lines if line.startswith(path)]
+        assert len(row) == 1, (path, out)
+        assert re.search(rf"\d+\.\d{{3}}   \(target <= {target}: (met|NOT met)\)$", row[0]), row[0]
+
+
+def test_paired_ratio_cancels_a_slow_spell():
+    """Round 2 ran while the machine was twice as slow for both: the ratio does not move."""
+    assert bench.paired_ratio([1.05, 2.10, 1.05], [1.0, 2.0, 1.0]) == pytest.approx(1.05)
+
+
+def test_overlap_figures_from_a_timeline():
+    """backward 0-10 s; bucket 0 all-reduce 2-4 (inside), bucket 1 9-12 (1 s of 3 inside);
+    finish_grad_sync returns at 12.5: 3 of 5 s hidden, 2.5 s exposed."""
+    step = {"backward": (0.0, 10.0), "done": 12.5, "comm": [(0, 2.0, 4.0), (1, 9.0, 12.0)]}
+    figures = bench_overlap.summarize(step)
+    assert figures == pytest.approx({"backward": 10.0, "comm": 5.0, "hidden": 0.6, "exposed": 2.5})
+    lines = bench_overlap.timeline(step, width=25)
+    assert [line.split("|")[0].strip() for line in lines] == [
+        "backward", "bucket 0 all-reduce", "bucket 1 all-reduce", "waiting after bwd"]
+    assert lines[1].split("|")[1] == " " * 4 + "#" * 4 + " " * 17   # 2-4 s of 12.5, 25 columns
+
+
+def test_overlap_runs_and_reports(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "OVERHEAD_CONFIG", TINY)
+    assert bench.main(["overlap", "--repeats", "1", "--buckets", "2", "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"all-reduce time hidden behind backward +\d+\.\d%   \(aim >= 80%: (met|NOT met)\)",
+                     out), out
+    for label in ("machine:", "dp=2 on gloo", "backward            |", "bucket 0 all-reduce |",
+                  "bucket 1 all-reduce |", "exposed after backward", "without (no_sync)",
+                  "what limits it on gloo:"):
+        assert label in out, (label, out)
 
 
 def test_unknown_command_shows_usage(capsys):
