@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from minitron import comm, comm_async
 from minitron.data_parallel import (DataParallel, gathered_grads, gathered_params, load_grads,
                                     wrap)
-from minitron.data_parallel.step import forward_backward
+from minitron.data_parallel.step import forward_backward, local_rows
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
 from minitron.model.convert import rules
@@ -304,3 +304,13 @@ def mixed_dtype_rank():
     except ValueError as e:
         return str(e)
     return "accepted"
+
+
+def test_local_rows_split_over_dp_and_ep_not_cp():
+    from types import SimpleNamespace
+    cfg = ParallelConfig(dp=2, ep=2, cp=2)
+    got = [local_rows(8, SimpleNamespace(config=cfg, coords=cfg.coords(r))) for r in range(8)]
+    starts = [s.start for s in got]          # rank = cp + 2 * (ep + 2 * dp)
+    assert starts == [0, 0, 2, 2, 4, 4, 6, 6] and all(s.stop - s.start == 2 for s in got)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        local_rows(6, SimpleNamespace(config=cfg, coords=cfg.coords(0)))

@@ -1,10 +1,11 @@
 """One data-parallel forward/backward: this rank's rows of the global batch, in micro-batches.
 
-The global batch of B rows is cut into dp equal parts; data-parallel rank d takes rows
-[d*B/dp, (d+1)*B/dp), and cuts them again into micro-batches. Every micro-batch but the last
-runs under `engine.no_sync()`, so gradients add up locally and each bucket is sent once.
-Each micro-batch's loss is divided by the number of micro-batches: the rank's loss is then
-the mean over all its tokens, and the engine's 1/dp makes the gradient the global mean's.
+The global batch of B rows is cut into n = dp x ep equal parts (expert-parallel ranks are data-
+parallel replicas for the dense layers); replica d takes rows [d*B/n, (d+1)*B/n), and cuts them
+again into micro-batches. Every micro-batch but the last runs under `engine.no_sync()`, so
+gradients add up locally and each bucket is sent once. Each micro-batch's loss is divided by
+the number of micro-batches: the rank's loss is then the mean over all its tokens, and the
+engine's 1/dense_dp makes the gradient the global mean's.
 
 Dropout masks are keyed by the global batch row (tensor_parallel/random.py), so telling the
 RNG where this micro-batch starts (`rows_from`) gives it the reference's masks.
@@ -19,11 +20,14 @@ from ..grid import Grid
 
 
 def local_rows(global_batch: int, grid: Grid) -> slice:
-    """This rank's rows of the global batch (it is one of dense_dp's replicas)."""
-    n, d = grid.dense_dp.size, grid.dense_dp.rank
+    """This rank's rows of the global batch. Rows are split over the replicas that see different
+    sequences, dp x ep (with cp = 1 that is dense_dp, in its rank order); context-parallel ranks
+    share their rows and split each sequence instead (context_parallel/)."""
+    ep, dp = grid.config.ep, grid.config.dp
+    n, d = ep * dp, grid.coords["ep"] + ep * grid.coords["dp"]
     if global_batch % n:
         raise ValueError(f"global batch {global_batch} is not divisible by the {n} data-parallel "
-                         f"replicas: use a multiple of {n}")
+                         f"replicas (dp x ep): use a multiple of {n}")
     b = global_batch // n
     return slice(d * b, (d + 1) * b)
 
