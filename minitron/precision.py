@@ -83,7 +83,8 @@ class LossScaler:
     def found_overflow(self, grads: list[torch.Tensor], group: comm.Group | None = None) -> bool:
         """Whether any rank's gradients hold an inf or NaN (collective over `group`: all ranks)."""
         bad = any(not torch.isfinite(g).all() for g in grads)
-        flag = torch.tensor([1.0 if bad else 0.0])
+        device = grads[0].device if grads else "cpu"      # nccl reduces GPU tensors only
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
         comm.all_reduce(flag, group or world_group(), op="max")
         return bool(flag.item())
 
@@ -121,7 +122,7 @@ def grad_norm(engine, grid, grad_scale: float = 1.0) -> float:
     """The L2 norm of the whole model's gradient (divided by `grad_scale`), every element
     counted once (module docstring). Collective: every rank calls it."""
     replicated_tp = _tp_replicated(engine.model, grid)
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=grid.device)
     for p in engine.parameters:
         if _counted_here(engine, p, engine.names[p], grid, replicated_tp):
             for _, t in engine.grad_pieces(p):
