@@ -55,8 +55,8 @@ def build(name: str, pp: int, microbatches: int, virtual: int | None):
     return make_schedule(name, pp, microbatches, 1 if virtual is None else virtual)
 
 
-def describe(schedule, costs: Costs) -> list[str]:
-    timeline, report = simulate(schedule, costs), check(schedule)
+def describe(schedule, costs: Costs, timeline, report) -> list[str]:
+    """The printed summary of a schedule, its simulated timeline and its check report."""
     return [f"schedule {schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
             f"virtual={schedule.virtual}; costs F:B:W = {costs.F}:{costs.B}:{costs.W}, "
             f"latency {costs.latency}",
@@ -84,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         schedule = build(args.schedule, args.pp, args.microbatches, args.virtual)
         if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
             raise ValueError(f"--plot {args.plot}: its folder does not exist; create it first")
-        lines = describe(schedule, costs)
+        report = check(schedule)
+        simulated = simulate(schedule, costs)
     except ValueError as e:          # ScheduleError is a ValueError too
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
-    simulated = simulate(schedule, costs)
+    print("\n".join(describe(schedule, costs, simulated, report)))
     measured = None
     if args.measure:
         measured, cfg = measure(schedule), measured_model(schedule)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib
         matplotlib.use("Agg")        # a file, no window
         from .plot import draw_comparison, draw_timeline
-        peaks = check(schedule).peak_activations
+        peaks = report.peak_activations
         if measured is None:
             ax = draw_timeline(simulated, unit="time (cost units)", peaks=peaks)
             fig = ax.figure
