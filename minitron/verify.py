@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .grid import ParallelConfig, build_grid, validate_model
+from .context_parallel import shard_sequence, unshard_sequence
+from .grid import CP_VARIANTS, ParallelConfig, build_grid, validate_model
 from .launch import DEFAULT_TIMEOUT, _pick_backend, launch
 from .model.config import CHOICES, ModelConfig
 from .model.convert import gather_state_dict, grads_state_dict, shard_state_dict
@@ -62,7 +63,6 @@ from .verify_plants import Plant
 
 # Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
 UNBUILT = {"dp": ("data parallelism", "data parallel and ZeRO, lesson 06"),
-           "cp": ("context parallelism", "ring attention, lesson 09"),
            "ep": ("expert parallelism", "mixture of experts, lesson 08")}
 
 
@@ -97,12 +97,13 @@ def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
     return data[:, :-1], data[:, 1:]
 
 
-def parallel_step(model: ParallelGPT, tokens, targets, step_seed: int):
+def parallel_step(model: ParallelGPT, tokens, targets, step_seed: int, planted: Plant = Plant(None)):
     """Forward, loss, backward and the gradient fix-up; returns (X, logits shard, loss)."""
     model.rng.reset(step_seed)
     x = model.embed(tokens)
     x.retain_grad()                      # dL/dX, X = the input of the first block
-    logits = model.output_layer(model.run_layers(x))
+    with planted.attention():
+        logits = model.output_layer(model.run_layers(x))
     loss = model.loss(logits, targets)
     loss.backward()
     model.finalize_grads()
@@ -150,10 +151,18 @@ def _step(model, schedule, planted: Plant, tokens, targets, step_seed: int):
     """One step on either model: (logits [b, s, V], loss, dL/dX [b, s, h]) on every rank."""
     grid = model.grid
     if schedule is None:
-        x, logits, loss = parallel_step(model, tokens, targets, step_seed)
+        cp, layout = grid.cp, planted.cp_layout()   # context parallelism: this rank's chunks
+        x, logits, loss = parallel_step(model, shard_sequence(tokens, cp.size, cp.rank, layout),
+                                        shard_sequence(targets, cp.size, cp.rank, layout), step_seed,
+                                        planted)
         planted.grads(model, grid)
         dx = comm.all_gather(x.grad, grid.tp, dim=1) if grid.sequence_parallel else x.grad
-        return comm.all_gather(logits.detach(), grid.tp, dim=-1), loss, dx
+        logits = comm.all_gather(logits.detach(), grid.tp, dim=-1)
+        if cp.size > 1:   # a rank's loss is the mean over its tokens: the reference's, averaged
+            loss = comm.all_reduce(loss.detach().clone(), cp) / cp.size
+            dx = unshard_sequence(dx, cp) / cp.size
+            logits = unshard_sequence(logits, cp)
+        return logits, loss, dx
     model.rng.reset(step_seed)
     result = run_schedule(schedule, model, tokens, targets, plant=planted)
     planted.grads(model, grid)
@@ -235,6 +244,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     """
     check_built(parallel_config)
     sched = pipeline_schedule(parallel_config, schedule, microbatches)
+    check_cp(parallel_config, sched)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = batch or (sched.microbatches if sched is not None else 2)
@@ -257,6 +267,12 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     return Report(rows)
 
 
+def check_cp(pcfg: ParallelConfig, sched) -> None:
+    if pcfg.cp > 1 and sched is not None:
+        raise ValueError("context parallelism inside pipeline stages is not built yet (the executor "
+                         "does not split micro-batches over cp): use --cp with --pp 1, no schedule")
+
+
 def check_kernels_dtype(dtype: torch.dtype) -> None:
     if dtype != torch.float32:
         raise ValueError(f"--kernels: the kernels compute in float32 (and 16-bit on a GPU), "
@@ -267,6 +283,8 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 2 --sp
   python -m minitron.verify --tp 2 --sp --norm rmsnorm --activation swiglu --position rope --kv-heads 2
   python -m minitron.verify --tp 2 --sp --kernels      fused Triton kernels and FusedAdamW
+  python -m minitron.verify --tp 1 --cp 2              ring attention over 2 ranks (zigzag chunks)
+  python -m minitron.verify --tp 2 --sp --cp 2 --cp-variant ulysses
   python -m minitron.verify --tp 1 --pp 2 --schedule zb-h1 --microbatches 4
   python -m minitron.verify --tp 2 --sp --pp 2 --schedule 1f1b --microbatches 4
   python -m minitron.verify --tp 1 --pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8
@@ -299,7 +317,11 @@ def _parser() -> argparse.ArgumentParser:
                         "zb-v always has 2 chunks per rank)")
     g.add_argument("--microbatches", type=_positive, default=None,
                    help="micro-batches per step of a pipeline schedule (default 2 * pp)")
-    for opt, field in (("--dp", "dp"), ("--cp", "cp"), ("--ep", "ep")):
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size: every sequence split "
+                   "over cp ranks (2*cp zigzag chunks)")
+    g.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring",
+                   help="how attention reaches the other cp ranks' keys and values")
+    for opt, field in (("--dp", "dp"), ("--ep", "ep")):
         g.add_argument(opt, type=int, default=1, dest=field, help=f"{UNBUILT[field][0]} (not built yet)")
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=_positive, default=3)
@@ -334,9 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
-                              virtual_pp=args.virtual_pp, sequence_parallel=args.sp)
+                              virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
+                              cp_variant=args.cp_variant)
         check_built(pcfg)
         sched = pipeline_schedule(pcfg, args.schedule, args.microbatches)
+        check_cp(pcfg, sched)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
         batch = args.batch or (sched.microbatches if sched is not None else 2)

@@ -8,6 +8,7 @@ stage or a W dropped.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -23,6 +24,10 @@ PLANTS = {
     "pp-wrong-stage": "pipeline: a stage passes back the gradient it received (dL/d its output) "
                       "instead of dL/d its input, so the gradient reaches the wrong stage",
     "pp-drop-w": "pipeline: the W of micro-batch 0 on stage 0 is dropped (its dL/dW never runs)",
+    "cp-no-rescale": "context parallel: attention blocks summed as they come, without the "
+                     "exp(lse_block - lse) rescale",
+    "cp-chunk-order": "context parallel: the batch cut into contiguous chunks while positions, "
+                      "masks and the gather back assume zigzag (a wrong chunk order)",
 }
 
 
@@ -77,6 +82,24 @@ class Plant:
 
     def drops_w(self, microbatch: int, stage: int) -> bool:
         return self.kind == "pp-drop-w" and (microbatch, stage) == (0, 0)
+
+    # ---- context-parallel faults (verify asks) ----
+    def cp_layout(self) -> str:
+        """The chunk order the batch is cut in (the model always assumes zigzag)."""
+        return "contiguous" if self.kind == "cp-chunk-order" else "zigzag"
+
+    @contextlib.contextmanager
+    def attention(self):
+        """cp-no-rescale: while the forward runs, ring/all-gather blocks merge unscaled."""
+        if self.kind != "cp-no-rescale":
+            yield
+            return
+        from .context_parallel.blocks import Accumulator
+        Accumulator.rescale = False
+        try:
+            yield
+        finally:
+            Accumulator.rescale = True
 
     def before_step(self, model) -> None:
         if self.kind == "update":

@@ -162,7 +162,7 @@ def test_cli_planted_drift_exits_1():
 
 
 @pytest.mark.parametrize("option,what", [
-    ("--dp", "data parallelism"), ("--cp", "context parallelism"), ("--ep", "expert parallelism")])
+    ("--dp", "data parallelism"), ("--ep", "expert parallelism")])
 def test_unbuilt_dimension_exits_2(capsys, option, what):
     assert verify.main(["--tp", "2", option, "2"]) == 2
     assert f"{what} is not built yet (issue:" in capsys.readouterr().err
@@ -178,6 +178,26 @@ def test_unbuilt_dimension_exits_2(capsys, option, what):
 def test_bad_pipeline_options_exit_2(capsys, argv, message):
     assert verify.main(["--tp", "1", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cp", "2", "--seq", "10"], "sequence length 10 is not divisible by 2*cp=4"),
+    (["--cp", "4", "--cp-variant", "ulysses", "--kv-heads", "2"], "cp_variant='ulysses' gives each of the cp=4 ranks"),
+    (["--cp", "2", "--pp", "2"], "context parallelism inside pipeline stages is not built yet"),
+])
+def test_bad_context_parallel_options_exit_2(capsys, argv, message):
+    assert verify.main(["--tp", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_passes_context_parallel_ulysses():
+    """The CLI path of --cp (the per-rank runs are tests/test_context_parallel_model.py's)."""
+    run = subprocess.run([sys.executable, "-m", "minitron.verify", "--tp", "1", "--cp", "2",
+                          "--cp-variant", "ulysses", "--steps", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "cp=2" in run.stdout and "cp_variant='ulysses'" in run.stdout
+    assert run.stdout.strip().splitlines()[-1].startswith("PASS max_rel_err=")
 
 
 def test_cli_passes_a_pipeline_schedule():

@@ -29,6 +29,13 @@ dropout_rng="per_rank" seeds each TP rank Megatron's way and draws only the loca
 activation is split across the group, which is how the RNG knows the region.
 
 ModelConfig(use_kernels=True) swaps in the fused Triton kernels (see fused.py).
+
+Context parallelism (grid.cp > 1, minitron/context_parallel): a rank's tokens are its cp rank's
+two zigzag chunks of every sequence (then, under SP, its 1/tp of those). Attention reaches the
+other cp ranks' keys and values by ParallelConfig.cp_variant (ring, allgather or ulysses);
+every other layer is per token and runs unchanged. Learned and rotary positions, and every
+dropout mask, follow the tokens' global positions (`_Ctx.positions`). Each rank's loss is the
+mean over its own tokens, so finalize_grads averages every gradient over cp.
 """
 from __future__ import annotations
 
@@ -36,6 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..context_parallel import context_parallel_attention
+from ..context_parallel import positions as cp_positions
+from ..context_parallel.grads import average_grads_over_cp
 from ..grid import Grid, validate_model
 from ..kernels import ops   # imports no triton until a kernel first runs
 from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
@@ -64,15 +74,36 @@ class _Ctx:
         self.cfg, self.group = cfg, grid.tp
         self.tp, self.tp_rank = grid.tp.size, grid.tp.rank
         self.sp = grid.sequence_parallel
+        self.cp_group, self.cp, self.cp_rank = grid.cp, grid.cp.size, grid.cp.rank
+        self.cp_variant = grid.config.cp_variant
+
+    def cp_positions(self, s_cp: int, device) -> torch.Tensor:
+        """Global positions of the s_cp tokens this cp rank holds (its zigzag chunks)."""
+        if self.cp == 1:
+            return torch.arange(s_cp, device=device)
+        return cp_positions(s_cp * self.cp, self.cp, self.cp_rank, device=device)
+
+    def positions(self, s_local: int, device) -> torch.Tensor:
+        """Global positions of this rank's s_local tokens (under SP its 1/tp of the cp rank's)."""
+        if not self.sp:
+            return self.cp_positions(s_local, device)
+        lo = self.tp_rank * s_local
+        return self.cp_positions(s_local * self.tp, device)[lo:lo + s_local]
 
     def dropout(self, x: torch.Tensor, rng: DropoutRNG, training: bool) -> torch.Tensor:
-        """Residual/embedding dropout: replicated [b, s, h], or this rank's sequence slice under SP."""
-        if not self.sp:
+        """Residual/embedding dropout: replicated [b, s, h], or this rank's tokens of the
+        sequence under SP or CP (the full mask's columns at their global positions)."""
+        if not self.sp and self.cp == 1:
             return rng.dropout(x, self.cfg.dropout, training)
         b, s_local, h = x.shape
-        lo = self.tp_rank * s_local
-        return rng.dropout(x, self.cfg.dropout, training, index=(slice(None), slice(lo, lo + s_local)),
-                           full_shape=(b, s_local * self.tp, h))
+        if self.cp == 1:
+            lo = self.tp_rank * s_local
+            mine = slice(lo, lo + s_local)
+        else:
+            mine = self.positions(s_local, x.device)
+        s_full = s_local * (self.tp if self.sp else 1) * self.cp
+        return rng.dropout(x, self.cfg.dropout, training, index=(slice(None), mine),
+                           full_shape=(b, s_full, h))
 
 
 class ParallelAttention(nn.Module):
@@ -94,14 +125,32 @@ class ParallelAttention(nn.Module):
         q = q.reshape(b, s, -1, hd).transpose(1, 2)       # [b, heads/tp, s, hd]
         k = k.reshape(b, s, -1, hd).transpose(1, 2)
         v = v.reshape(b, s, -1, hd).transpose(1, 2)
-        if self.cfg.position == "rope":          # positions of the full sequence: SP gathered it
-            pos = torch.arange(s, device=x.device)
+        if self.cfg.position == "rope":          # this cp rank's whole sequence: SP gathered it
+            pos = self.ctx.cp_positions(s, x.device)
             q, k = rotary(q, pos, self.cfg.rope_base), rotary(k, pos, self.cfg.rope_base)
         first = self.ctx.tp_rank * self.heads   # our heads in the reference's numbering
+        if self.ctx.cp > 1:
+            y = self.context_parallel_core(q, k, v, rng, slice(first, first + self.heads))
+            return self.out(y.transpose(1, 2).reshape(b, s, -1))
         core = fused_attention_core if self.cfg.use_kernels else attention_core
         y = core(q, k, v, self.cfg, rng, self.training,
                  head_index=slice(first, first + self.heads), full_heads=self.cfg.n_heads)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+    def context_parallel_core(self, q, k, v, rng: DropoutRNG, heads: slice) -> torch.Tensor:
+        """Causal attention of this cp rank's tokens over the whole sequence. Dropout: the
+        reference's mask for our heads over all s x s (query, key) positions, applied in
+        whichever block each pair is computed."""
+        drop, p = None, self.cfg.dropout
+        if self.training and p > 0:
+            b, _, s_cp, _ = q.shape
+            s = s_cp * self.ctx.cp
+            shape = (b, self.cfg.n_heads, s, s)
+            like = q.new_empty(()).expand(b, self.heads, s, s)   # only its shape and device are read
+            drop = rng.local_mask(like, p, (slice(None), heads), shape).to(q.dtype) / (1.0 - p)
+        return context_parallel_attention(q, k, v, self.ctx.cp_group, variant=self.ctx.cp_variant,
+                                          causal=True, scale=self.cfg.head_dim ** -0.5,
+                                          use_kernels=self.cfg.use_kernels, drop=drop)
 
 
 class ParallelMLP(nn.Module):
@@ -158,10 +207,8 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word(tokens)
-        if hasattr(self, "position"):
-            s_local = x.shape[1]
-            first = self.ctx.tp_rank * s_local if self.ctx.sp else 0
-            x = x + self.position(torch.arange(first, first + s_local, device=tokens.device))
+        if hasattr(self, "position"):   # under SP and CP only this rank's positions' rows
+            x = x + self.position(self.ctx.positions(x.shape[1], tokens.device))
         return x
 
 
@@ -175,7 +222,10 @@ def _check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
 
 
 class ParallelGPT(nn.Module):
-    """forward(tokens) -> logits shard [b, s, V/tp]; forward(tokens, targets) -> (shard, loss)."""
+    """forward(tokens) -> logits shard [b, s, V/tp]; forward(tokens, targets) -> (shard, loss).
+
+    Under context parallelism tokens and targets are this cp rank's: context_parallel.
+    shard_sequence(x, cp, cp_rank) of the whole sequences; the loss is their mean."""
 
     def __init__(self, cfg: ModelConfig, grid: Grid, seed: int = 0):
         super().__init__()
@@ -206,8 +256,8 @@ class ParallelGPT(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """X, the input of the first block: [b, s, h], or [b, s/tp, h] under SP."""
-        if tokens.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than "
+        if tokens.shape[1] * self.ctx.cp > self.cfg.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1] * self.ctx.cp} tokens is longer than "
                              f"ModelConfig.seq_len={self.cfg.seq_len}")
         if self.ctx.sp and tokens.shape[1] % self.ctx.tp:
             raise ValueError(f"sequence parallelism splits the {tokens.shape[1]} tokens across "
@@ -250,5 +300,7 @@ class ParallelGPT(nn.Module):
         return logits, self.loss(logits, targets)
 
     def finalize_grads(self) -> None:
-        """Call after backward, before the optimizer step (see tensor_parallel/grads.py)."""
+        """Call after backward, before the optimizer step (see tensor_parallel/grads.py and
+        context_parallel/grads.py; with DataParallel call its finish_grad_sync instead)."""
         allreduce_sequence_parallel_grads(self, self.ctx.group)
+        average_grads_over_cp(self, self.ctx.cp_group)
