@@ -30,6 +30,14 @@ def _chromium() -> bool:
     return bool((shutil.which("chromium") or shutil.which("chromium-browser")) and shutil.which("chromedriver"))
 
 
+def _pipelining_lacks(schedule: str) -> bool:
+    try:
+        import torch.distributed.pipelining as pipelining
+    except ImportError:
+        return True
+    return not hasattr(pipelining, schedule)
+
+
 # A skip reason (a regular expression, searched) -> whether it is legitimately impossible here.
 ALLOWED = {
     r"needs a (CUDA )?GPU": lambda: not _gpu(),
@@ -43,6 +51,10 @@ ALLOWED = {
     # tests/test_browser.py: a system browser that `make test` does not install (`make browser-test`
     # insists on it); skipping is fine only where it really is missing.
     r"needs Chromium and chromedriver": lambda: not _chromium(),
+    # tests/test_pipeline_peer.py: torch's zero-bubble schedules arrived after torch 2.4
+    r"pipelining has no ScheduleInterleavedZeroBubble": lambda: _pipelining_lacks(
+        "ScheduleInterleavedZeroBubble"),
+    r"pipelining has no ScheduleZBVZeroBubble": lambda: _pipelining_lacks("ScheduleZBVZeroBubble"),
     r"needs selenium": lambda: importlib.util.find_spec("selenium") is None,
 }
 

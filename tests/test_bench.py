@@ -45,7 +45,8 @@ def test_overlap_figures_from_a_timeline():
     finish_grad_sync returns at 12.5: 3 of 5 s hidden, 2.5 s exposed."""
     step = {"backward": (0.0, 10.0), "done": 12.5, "comm": [(0, 2.0, 4.0), (1, 9.0, 12.0)]}
     figures = bench_overlap.summarize(step)
-    assert figures == pytest.approx({"backward": 10.0, "comm": 5.0, "hidden": 0.6, "exposed": 2.5})
+    assert figures == pytest.approx({"backward": 10.0, "comm": 5.0, "inside": 3.0,
+                                        "hidden": 0.6, "exposed": 2.5})
     lines = bench_overlap.timeline(step, width=25)
     assert [line.split("|")[0].strip() for line in lines] == [
         "backward", "bucket 0 all-reduce", "bucket 1 all-reduce", "waiting after bwd"]
@@ -59,7 +60,7 @@ def test_overlap_runs_and_reports(capsys, monkeypatch):
     assert re.search(r"all-reduce time hidden behind backward +\d+\.\d%   \(aim >= 80%: (met|NOT met)\)",
                      out), out
     for label in ("machine:", "dp=2 on gloo", "backward            |", "bucket 0 all-reduce |",
-                  "bucket 1 all-reduce |", "exposed after backward", "without (no_sync)",
+                  "bucket 1 all-reduce |", "timeline: ", "by cost: ", "without (no_sync)",
                   "what limits it on gloo:"):
         assert label in out, (label, out)
 
