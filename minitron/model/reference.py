@@ -155,7 +155,7 @@ class GPT(nn.Module):
         return self.embedding.word.weight if self.cfg.tie_embeddings else self.lm_head.weight
 
     def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        return [m for m in self.modules() if isinstance(m, MoE)]
 
     def moe_loss(self) -> torch.Tensor | float:
         """The routers' auxiliary losses of the last forward (0.0 without experts)."""
