@@ -32,6 +32,24 @@ FusedAdamW; the reference keeps plain torch ops and torch.optim.AdamW, and the t
 the same. Where the ranks run on the CPU (no GPU for each of them) it sets TRITON_INTERPRET=1
 before anything imports triton, so the kernels run in Triton's interpreter (slowly), and says
 so in the header.
+
+`--dp N` runs N data-parallel replicas (composing with --tp/--sp and --pp): each takes its own
+rows of the global batch (dropout masks are keyed by global row) and the engine of
+minitron.data_parallel averages the gradients, in buckets started from backward hooks; with
+`--zero 1|2|3` the gradients are reduce-scattered and ZeRO's ZeroOptimizer steps fp32 master
+weights of each rank's shard (stage 3 also shards the weights, gathered per layer). The logits
+and dL/dX are gathered back over dp, the loss averaged over dp: the rows are the whole batch's,
+compared with the reference on the whole batch. The gradients compared are the reduced ones,
+rebuilt from the shards (data_parallel.checks); replicas must stay bitwise equal over dp, the
+gradients under plain DP, the weights below stage 3. verify_steps.py has the per-rank steps.
+
+`--dtype bfloat16|float16` runs both sides in that dtype with fp32 master weights (the split
+side through the data-parallel engine at any dp, the reference with precision.MasterWeightsAdamW);
+float16 scales the loss by a fixed 1024 on both sides. Both sides round every op to 16 bits in
+different places, so logits, loss, dL/dX and gradients are held to precision.tolerance16:
+C16 * eps16 = 8 * eps16 relative to the tensor's largest entry (bf16 6.2e-2, fp16 7.8e-3;
+measured at most about 3 eps16). Updates keep the float32 update bar beyond 2 spacings of the
+stored 16-bit weight: both sides step fp32 masters on the same gradients.
 """
 from __future__ import annotations
 
@@ -41,29 +59,23 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
-from . import comm
-from .context_parallel import shard_sequence, unshard_sequence
-from .grid import CP_VARIANTS, ParallelConfig, build_grid, validate_model
+from .grid import CP_VARIANTS, ParallelConfig, validate_model
 from .launch import DEFAULT_TIMEOUT, _pick_backend, launch
 from .model.config import CHOICES, ModelConfig
-from .model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from .model.fused import check_kernels
-from .model.parallel import ParallelGPT
-from .model.reference import GPT
-from .optim import FusedAdamW
-from .pipeline.executor import collect_outputs, run_schedule
-from .pipeline.partition import PipelineGPT
 from .pipeline.schedules import SCHEDULES, make_schedule
-from .verify_checks import (Report, Row, float32_tolerance, grad_rows, replica_rows,
-                            sum_rows, update_rows)
+from .verify_checks import Report, Row
 from .verify_plants import Plant
+from .verify_steps import (BUCKET_NUMEL, FP16_LOSS_SCALE, check_data_parallel, make_batch,
+                           parallel_step, reference_step, run_rank, uses_engine)
+
+__all__ = ["verify", "main", "run_rank", "make_batch", "parallel_step", "reference_step",
+           "pipeline_schedule", "Report", "Row"]
 
 
 # Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
-UNBUILT = {"dp": ("data parallelism", "data parallel and ZeRO, lesson 06"),
-           "ep": ("expert parallelism", "mixture of experts, lesson 08")}
+UNBUILT = {"ep": ("expert parallelism", "mixture of experts, lesson 08")}
 
 
 def check_built(pcfg: ParallelConfig) -> None:
@@ -90,50 +102,6 @@ def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
             "no GPU per rank)")
 
 
-def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
-    """The tokens and next-token targets of one step, the same on every rank."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + step)
-    data = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-    return data[:, :-1], data[:, 1:]
-
-
-def parallel_step(model: ParallelGPT, tokens, targets, step_seed: int, planted: Plant = Plant(None)):
-    """Forward, loss, backward and the gradient fix-up; returns (X, logits shard, loss)."""
-    model.rng.reset(step_seed)
-    x = model.embed(tokens)
-    x.retain_grad()                      # dL/dX, X = the input of the first block
-    with planted.attention():
-        logits = model.output_layer(model.run_layers(x))
-    loss = model.loss(logits, targets)
-    loss.backward()
-    model.finalize_grads()
-    return x, logits, loss
-
-
-def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.float32):
-    """The same on the reference: what GPT.forward does, with X kept. (loss_dtype=float64 makes
-    a float64 model exact up to float64 rounding: the oracle tests measure float32 against.)"""
-    ref.rng.reset(step_seed)
-    x = ref.embed(tokens)
-    x.retain_grad()
-    logits = ref.run_layers(x) @ ref.output_weight().t()
-    loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets.flatten())
-    loss.backward()
-    return x, logits, loss
-
-
-def _from_rank0(tensors: dict, grid) -> dict:
-    """Every rank gets rank 0's tensors (one counted broadcast over the world)."""
-    world = comm.Group("world", range(grid.world_size))   # pg None: torch's default group
-    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
-    comm.broadcast(flat, world, src=0)
-    out, offset = {}, 0
-    for name, t in tensors.items():
-        out[name] = flat[offset:offset + t.numel()].view_as(t)
-        offset += t.numel()
-    return out
-
-
 def pipeline_schedule(pcfg: ParallelConfig, name: str | None = None,
                       microbatches: int | None = None):
     """The pipeline Schedule verify runs, or None for the plain step (pp = virtual = 1, no name).
@@ -147,98 +115,17 @@ def pipeline_schedule(pcfg: ParallelConfig, name: str | None = None,
     return make_schedule(name, pcfg.pp, microbatches or 2 * pcfg.pp, virtual)
 
 
-def _step(model, schedule, planted: Plant, tokens, targets, step_seed: int):
-    """One step on either model: (logits [b, s, V], loss, dL/dX [b, s, h]) on every rank."""
-    grid = model.grid
-    if schedule is None:
-        cp, layout = grid.cp, planted.cp_layout()   # context parallelism: this rank's chunks
-        x, logits, loss = parallel_step(model, shard_sequence(tokens, cp.size, cp.rank, layout),
-                                        shard_sequence(targets, cp.size, cp.rank, layout), step_seed,
-                                        planted)
-        planted.grads(model, grid)
-        dx = comm.all_gather(x.grad, grid.tp, dim=1) if grid.sequence_parallel else x.grad
-        logits = comm.all_gather(logits.detach(), grid.tp, dim=-1)
-        if cp.size > 1:   # a rank's loss is the mean over its tokens: the reference's, averaged
-            loss = comm.all_reduce(loss.detach().clone(), cp) / cp.size
-            dx = unshard_sequence(dx, cp) / cp.size
-            logits = unshard_sequence(logits, cp)
-        return logits, loss, dx
-    model.rng.reset(step_seed)
-    result = run_schedule(schedule, model, tokens, targets, plant=planted)
-    planted.grads(model, grid)
-    return collect_outputs(result, model, *tokens.shape)
-
-
-def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.dtype = torch.float32,
-             seed: int = 0, lr: float = 1e-4, eps: float = 1e-6, batch: int = 2,
-             seq: int | None = None, plant: str | None = None, schedule=None) -> list[Row] | None:
-    """The body every rank runs; rank 0 also runs the reference and returns the rows.
-
-    `schedule` (a pipeline Schedule, see pipeline_schedule): the model is cut into its stages
-    and every step runs it with the pipeline executor; the batch is cut into its micro-batches.
-    `plant` (tests only, see verify_plants.PLANTS) puts a deliberate error into the run."""
-    grid = build_grid(pcfg)
-    lead, seq, planted = grid.rank == 0, seq or mcfg.seq_len, Plant(plant)
-    ref = GPT(mcfg, seed).to(dtype)
-    placement = schedule.stage_rank if schedule is not None else None
-    if schedule is None:
-        model = ParallelGPT.from_reference(ref, grid)
-    else:
-        model = PipelineGPT.from_reference(ref, grid, placement)
-    tied_across_stages = getattr(model, "tied_across_ranks", False)
-    ref.to(grid.device)   # masks are drawn on the tensors' device: the same stream as the ranks'
-    # The kernels' run steps with the fused AdamW kernel too; the reference never does.
-    adamw = FusedAdamW if mcfg.use_kernels else torch.optim.AdamW
-    opt = adamw(model.parameters(), lr=lr, eps=eps)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps)
-    tol = float32_tolerance(mcfg, batch, seq)
-    rows: list[Row] = []
-    for step in range(steps):
-        tokens, targets = (t.to(grid.device) for t in make_batch(step, seed, batch, seq, mcfg.vocab_size))
-        step_seed = seed * 1_000 + step       # each step's dropout masks, on both sides
-        logits, loss, dx = _step(model, schedule, planted, tokens, targets, step_seed)
-        # Gather what rank 0 compares (collectives: every rank takes part).
-        full_logits = planted.logits(logits)
-        local_grads = grads_state_dict(model)
-        grads = gather_state_dict(local_grads, mcfg, grid, placement)
-        grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid, tied_across_stages)
-        if lead:
-            ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed)
-            rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (loss, ref_loss),
-                                    "dL/dX": (dx, ref_x.grad)}, tol)
-            rows += grad_rows(step, grads, grads_state_dict(ref), tol) + grad_replicas
-        # Both optimizers step on the reference's gradients: the step is checked on its own.
-        ref_grads = _from_rank0({n: p.grad if lead else torch.empty_like(p)
-                                 for n, p in ref.named_parameters()}, grid)
-        with torch.no_grad():
-            for name, shard in shard_state_dict(ref_grads, mcfg, grid, placement).items():
-                model.get_parameter(name).grad.copy_(shard)
-        old = gather_state_dict(model.state_dict(), mcfg, grid, placement)
-        planted.before_step(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        planted.after_step(model, grid)
-        weight_replicas = replica_rows(step, "weights", model.state_dict(), mcfg, grid, tied_across_stages)
-        new = gather_state_dict(model.state_dict(), mcfg, grid, placement)
-        if lead:
-            ref_old = {n: p.detach().clone() for n, p in ref.named_parameters()}
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            ref_new = {n: p.detach() for n, p in ref.named_parameters()}
-            rows += update_rows(step, new, old, ref_new, ref_old) + weight_replicas
-    return rows if lead else None
-
-
 def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
            batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
            plant: str | None = None, schedule: str | None = None,
-           microbatches: int | None = None) -> Report:
+           microbatches: int | None = None, zero: int | None = None) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
     is cut into pipeline stages and run by the pipeline executor (see pipeline_schedule);
-    `batch` defaults to one sample per micro-batch (2 without a pipeline).
+    `batch` defaults to one sample per micro-batch (2 without a pipeline), per dp replica.
+    `zero` (0-3; dp > 1 and 16-bit dtypes too) steps through a data-parallel engine.
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
     (see enable_kernels).
     """
@@ -247,10 +134,8 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     check_cp(parallel_config, sched)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
-    batch = batch or (sched.microbatches if sched is not None else 2)
-    if sched is not None and batch % sched.microbatches:
-        raise ValueError(f"a batch of {batch} cannot be cut into {sched.microbatches} equal "
-                         f"micro-batches: use a multiple of {sched.microbatches}")
+    batch = split_batch(batch, parallel_config, sched, "a batch of")
+    check_data_parallel(parallel_config, model_config, dtype, zero, sched)
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
@@ -263,8 +148,22 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
-                  plant, sched, world_size=parallel_config.world_size, timeout=timeout)[0]
+                  plant, sched, zero, world_size=parallel_config.world_size, timeout=timeout)[0]
     return Report(rows)
+
+
+def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> int:
+    """The batch (default: one sequence per micro-batch, else 2, per dp replica), checked to cut
+    into dp replicas of whole micro-batches."""
+    per_replica = sched.microbatches if sched is not None else 1
+    batch = batch or (per_replica if sched is not None else 2) * pcfg.dp
+    if batch % (per_replica * pcfg.dp) == 0:
+        return batch
+    if pcfg.dp == 1:
+        raise ValueError(f"{what} {batch} cannot be cut into {per_replica} equal "
+                         f"micro-batches: use a multiple of {per_replica}")
+    raise ValueError(f"{what} {batch} cannot be cut into dp={pcfg.dp} replicas of {per_replica} "
+                     f"micro-batch(es): use a multiple of {pcfg.dp * per_replica}")
 
 
 def check_cp(pcfg: ParallelConfig, sched) -> None:
@@ -288,6 +187,10 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --pp 2 --schedule zb-h1 --microbatches 4
   python -m minitron.verify --tp 2 --sp --pp 2 --schedule 1f1b --microbatches 4
   python -m minitron.verify --tp 1 --pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8
+  python -m minitron.verify --tp 1 --dp 2               data parallel: each replica its rows
+  python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 Megatron's distributed optimizer
+  python -m minitron.verify --tp 1 --dp 4 --zero 3      parameters sharded too
+  python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
 
 exit status: 0 PASS, 1 FAIL, 2 bad options"""
 
@@ -321,16 +224,21 @@ def _parser() -> argparse.ArgumentParser:
                    "over cp ranks (2*cp zigzag chunks)")
     g.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring",
                    help="how attention reaches the other cp ranks' keys and values")
-    for opt, field in (("--dp", "dp"), ("--ep", "ep")):
-        g.add_argument(opt, type=int, default=1, dest=field, help=f"{UNBUILT[field][0]} (not built yet)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size: replicas, each on its "
+                   "own rows of the batch")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage of the data-parallel engine (default: 0 where one runs)")
+    g.add_argument("--ep", type=int, default=1, help=f"{UNBUILT['ep'][0]} (not built yet)")
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=_positive, default=3)
-    r.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    r.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
+                   default="float32", help="16-bit: fp32 master weights (see the module docstring)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
     r.add_argument("--batch", type=_positive, default=None,
-                   help="sequences per step (default: one per micro-batch with a pipeline, else 2)")
+                   help="sequences per step (default per dp replica: one per micro-batch with a "
+                        "pipeline, else 2)")
     r.add_argument("--kernels", action="store_true",
                    help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
                         "activations, loss) and FusedAdamW; on CPU ranks through the Triton "
@@ -363,10 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         check_cp(pcfg, sched)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
-        batch = args.batch or (sched.microbatches if sched is not None else 2)
-        if sched is not None and batch % sched.microbatches:
-            raise ValueError(f"--batch {batch} cannot be cut into {sched.microbatches} equal "
-                             f"micro-batches: use a multiple of {sched.microbatches}")
+        batch = split_batch(args.batch, pcfg, sched, "--batch")
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
                            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                            norm=args.norm, activation=args.activation, position=args.position,
@@ -375,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         validate_model(pcfg, mcfg)
         Plant(args.plant)
         dtype = getattr(torch, args.dtype)
+        check_data_parallel(pcfg, mcfg, dtype, args.zero, sched)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
             check_kernels_dtype(dtype)
@@ -384,11 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pipeline = "" if sched is None else (f"\nschedule={sched.name} microbatches={sched.microbatches} "
                                          f"virtual={sched.virtual} stage_rank={sched.stage_rank}")
+    if uses_engine(pcfg, args.zero, dtype):
+        scale = f" loss_scale={FP16_LOSS_SCALE:g}" if dtype == torch.float16 else ""
+        pipeline += f"\ndata parallel: zero={args.zero or 0} bucket_numel={BUCKET_NUMEL}{scale}"
     print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
           f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
                     batch=batch, plant=args.plant, schedule=args.schedule,
-                    microbatches=args.microbatches)
+                    microbatches=args.microbatches, zero=args.zero)
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1

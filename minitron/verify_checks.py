@@ -207,16 +207,17 @@ def sum_rows(step: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], tol
 
 
 # ---- replicas ---------------------------------------------------------------------------------
-def replica_groups(rule: Rule, tied_across_stages: bool = False) -> list[str]:
+def replica_groups(rule: Rule, tied_across_stages: bool = False, over_dp: bool = True) -> list[str]:
     """The groups across which this parameter is held whole (and must stay identical).
 
     Not split along tp: replicated over tp. Every parameter is replicated over dp and cp (data
     and context parallelism copy the model); groups of one rank are skipped by the caller.
     A pipeline's tied word embedding, when the first and the last stage are on different ranks
     (both hold a copy: pipeline/partition.py), is replicated over the "embedding"
-    group.
+    group. over_dp=False leaves dp out: tensors rebuilt from ZeRO shards (data_parallel.checks)
+    are equal over dp by construction, so comparing them there would check nothing.
     """
-    groups = ["dp", "cp"]
+    groups = ["dp", "cp"] if over_dp else ["cp"]
     if rule.dim is None:
         groups.insert(0, "tp")
     if tied_across_stages and rule.name == "embedding.word.weight":
@@ -225,7 +226,7 @@ def replica_groups(rule: Rule, tied_across_stages: bool = False) -> list[str]:
 
 
 def replica_rows(step: int, kind: str, local: dict, cfg: ModelConfig, grid: Grid,
-                 tied_across_stages: bool = False) -> list[Row]:
+                 tied_across_stages: bool = False, over_dp: bool = True) -> list[Row]:
     """All-gather every replicated tensor over its group and compare bitwise (collective).
 
     One row: err = the largest relative difference between two copies (0 when identical),
@@ -235,7 +236,7 @@ def replica_rows(step: int, kind: str, local: dict, cfg: ModelConfig, grid: Grid
     by_group: dict[str, list[str]] = {}
     for rule in rules(cfg):
         if rule.name in local:
-            for g in replica_groups(rule, tied_across_stages):
+            for g in replica_groups(rule, tied_across_stages, over_dp):
                 if getattr(grid, g).size > 1:
                     by_group.setdefault(g, []).append(rule.name)
     worst, detail = 0.0, ""

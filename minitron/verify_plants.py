@@ -24,6 +24,10 @@ PLANTS = {
     "pp-wrong-stage": "pipeline: a stage passes back the gradient it received (dL/d its output) "
                       "instead of dL/d its input, so the gradient reaches the wrong stage",
     "pp-drop-w": "pipeline: the W of micro-batch 0 on stage 0 is dropped (its dL/dW never runs)",
+    "dp-bucket": "data parallel (--zero 0): bucket 1 of the gradient buffer is never all-reduced "
+                 "(each rank keeps its own gradient, times 1/dp)",
+    "zero-gather": "ZeRO 1/2: the updated shards are never all-gathered (each rank keeps only the "
+                   "update of the shard it owns)",
     "cp-no-rescale": "context parallel: attention blocks summed as they come, without the "
                      "exp(lse_block - lse) rescale",
     "cp-chunk-order": "context parallel: the batch cut into contiguous chunks while positions, "
@@ -60,7 +64,8 @@ class Plant:
                 p.grad.mul_(0.5)
         elif self.kind == "grad":
             for p in self._params(model):
-                p.grad.mul_(1.01)
+                if p.grad is not None:          # ZeRO 2/3 keep no whole .grad
+                    p.grad.mul_(1.01)
 
     @torch.no_grad()
     def logits(self, full: torch.Tensor) -> torch.Tensor:
@@ -101,6 +106,15 @@ class Plant:
         finally:
             Accumulator.rescale = True
 
+    # ---- data-parallel engine faults (verify_steps asks, once the engine is built) ----
+    def engine(self, engine) -> None:
+        if self.kind == "dp-bucket":
+            _never_reduce_bucket(engine, 1)
+        elif self.kind == "zero-gather":
+            if getattr(engine, "zero_stage", 3) not in (1, 2):
+                raise ValueError("plant zero-gather skips ZeRO 1/2's all-gather: use --zero 1 or 2")
+            engine.after_step = lambda: None
+
     def before_step(self, model) -> None:
         if self.kind == "update":
             self._before = self._params(model)[0].detach().clone()
@@ -113,3 +127,21 @@ class Plant:
         elif self.kind == "weight-drift" and self._on_rank_1(grid):
             for p in self._params(model):
                 p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+
+
+def _never_reduce_bucket(engine, b: int) -> None:
+    """Bucket b's all-reduce is replaced by nothing: its gradients stay this rank's (times 1/dp)."""
+    from .comm_async import Pending
+    gb = engine.buffers[0]
+    if getattr(engine, "zero_stage", 3) != 0 or len(gb.layout.buckets) <= b:
+        raise ValueError(f"plant dp-bucket needs plain data parallelism (--zero 0) and more than {b} "
+                         f"buckets")
+    launch = gb.launch
+
+    def launch_all_but_b(k: int) -> None:
+        if k != b:
+            return launch(k)
+        bucket = gb.layout.buckets[k]
+        data = gb.grads_flat[bucket.start:bucket.end].mul_(gb.scale)
+        gb.pending[k] = Pending("all_reduce", gb.group, None, data)   # done at once: nothing sent
+    gb.launch = launch_all_but_b

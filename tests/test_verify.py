@@ -161,8 +161,7 @@ def test_cli_planted_drift_exits_1():
                                            capture_output=True, text=True).stdout   # hidden
 
 
-@pytest.mark.parametrize("option,what", [
-    ("--dp", "data parallelism"), ("--ep", "expert parallelism")])
+@pytest.mark.parametrize("option,what", [("--ep", "expert parallelism")])
 def test_unbuilt_dimension_exits_2(capsys, option, what):
     assert verify.main(["--tp", "2", option, "2"]) == 2
     assert f"{what} is not built yet (issue:" in capsys.readouterr().err

@@ -74,8 +74,10 @@ def check_schedule_fits(schedule: Schedule, model: PipelineGPT, batch: int) -> N
 class _Run:
     """The state of one step on one rank: tensors waiting for their next action, by (mb, stage)."""
 
-    def __init__(self, schedule, model, tokens, targets, plant, keep_outputs, track_memory):
+    def __init__(self, schedule, model, tokens, targets, plant, keep_outputs, track_memory,
+                 first_row=0):
         self.schedule, self.model, self.plant, self.keep = schedule, model, plant, keep_outputs
+        self.first_row = first_row
         self.grid, m = model.grid, schedule.microbatches
         self.mbs = tokens.shape[0] // m
         self.tokens, self.targets = tokens.split(self.mbs), targets.split(self.mbs)
@@ -94,7 +96,7 @@ class _Run:
     # ---- compute ------------------------------------------------------------------------
     def forward(self, mb: int, s: int) -> None:
         model = self.model
-        model.rng.rows_from(mb * self.mbs)     # this micro-batch's rows of the global batch
+        model.rng.rows_from(self.first_row + mb * self.mbs)   # its rows of the global batch
         capture = weight_grad.capture() if self.defers else contextlib.nullcontext()
         recording = self.memory.recording((mb, s)) if self.track_memory else contextlib.nullcontext()
         with capture, recording:
@@ -189,15 +191,19 @@ class _Run:
 
 
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
-                 *, plant=None, keep_outputs: bool = True, track_memory: bool = False) -> StepResult:
+                 *, plant=None, keep_outputs: bool = True, track_memory: bool = False,
+                 first_row: int = 0, finalize_grads: bool = True) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank).
 
     Call model.rng.reset(step seed) first, like any step; gradients accumulate into .grad and
     are finalized (tp and tied-embedding sums) before it returns. `plant` (tests): a
     verify_plants.Plant whose pipeline faults to put in. track_memory=True measures the activation
-    memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0)."""
+    memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0).
+    A data-parallel replica passes its rows of the batch and `first_row`, where they start in
+    the global batch (dropout masks are keyed by global row), and finalize_grads=False: its
+    engine's finish_grad_sync does the same sums on the gradient pieces it keeps."""
     check_schedule_fits(schedule, model, tokens.shape[0])
-    run = _Run(schedule, model, tokens, targets, plant, keep_outputs, track_memory)
+    run = _Run(schedule, model, tokens, targets, plant, keep_outputs, track_memory, first_row)
     weight_grad.STORE.clear()
     comm.barrier(comm.Group("world", range(model.grid.world_size)))   # one start line for the clocks
     run.run(schedule.actions[model.grid.pp.rank])
@@ -210,7 +216,8 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     if leftover:
         raise ValueError(f"schedule {schedule.name!r} ended with work still waiting for "
                          f"(micro-batch, stage) {sorted(set(leftover))}: a backward or a send is missing")
-    model.finalize_grads()
+    if finalize_grads:
+        model.finalize_grads()
     return StepResult(run.loss, run.logits if model.holds_last and keep_outputs else None,
                       run.input_grads if model.holds_first and keep_outputs else None,
                       run.events, run.memory.peak_bytes, run.memory.peak_alive,
