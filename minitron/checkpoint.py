@@ -1,0 +1,356 @@
+"""Distributed checkpoints that any grid can load: every tensor saved in the reference's layout.
+
+A rank holds pieces of the reference GPT's tensors: rank r of tp holds chunk r of
+`layers.0.attention.q.weight` along dim 0, pipeline rank p only its stages' layers, and under
+ZeRO a data-parallel rank only 1/dp of the optimizer state. The rules of model/convert.py say
+exactly which piece: for every reference tensor, a rank describes its piece by a *placement*,
+(global shape, offsets of its slice). torch.distributed.checkpoint (DCP) is the storage and
+resharding engine: each rank writes its pieces (a piece several ranks hold, a replicated norm
+or a dp replica's copy, is written once, DCP's dedup), DCP's metadata records every piece's
+placement, and a load at another grid asks for its own placements; DCP reads the overlapping
+parts of whatever pieces were written. So tp=2, pp=2 loads at tp=1, pp=4 or tp=4, dp=2.
+
+What is saved, under these names:
+  model/<reference name>                  the weights (ZeRO-3: its shards gathered over dp)
+  optimizer/{master,exp_avg,exp_avg_sq}/<reference name>   AdamW's state (ZeroOptimizer)
+  manifest.json (rank 0)                  model and parallel config, step, dropout seed,
+                                          optimizer step, caller's extra (data position,
+                                          loss scale), and every file's size and sha256
+ZeRO's flat shards do not map to rectangles of the reference tensors, so before saving each
+rank's optimizer shard is put back into whole tp-local tensors (one all-reduce over the
+sharding group, data_parallel/checks.py's way); loading cuts the owned elements out again. The
+ZeRO stage and dp can therefore change between save and load. Not covered yet: MoE experts
+(convert.py has no rules for them) — save refuses such a model.
+
+A save is atomic: everything goes to `<path>.partial`, rank 0 writes the manifest last and
+renames the directory to `<path>` (one rename; DCP's FileSystemWriter already assumes a file
+system all ranks share). A rank killed mid-save leaves a `.partial` without a manifest, and the
+previous checkpoint untouched. A load checks the manifest, the model and every file's size and
+checksum before it reads a byte into the model: a bad checkpoint changes nothing.
+DCP's own plan exchange talks through torch.distributed directly, not minitron.comm (uncounted).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from . import comm
+from .data_parallel.checks import gathered_params
+from .model.config import ModelConfig
+from .model.convert import reference_shapes, rules, stage_rules
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+STATES = ("master", "exp_avg", "exp_avg_sq")
+# Fields that change how a model runs, not what its tensors are: free to differ on load.
+RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels"}
+FAULT_AT: tuple[str, int] | None = None   # tests: (point, rank) where that rank dies mid-save
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here; the message names the file and what is wrong."""
+
+
+# ---- placements: which piece of which reference tensor this rank holds ----------------------
+def _my_rules(model) -> list:
+    cfg, placement = model.cfg, getattr(model, "placement", None)
+    if cfg.n_experts:
+        raise ValueError("checkpoints do not cover mixture-of-experts models yet (model/convert.py "
+                         "has no rules for expert weights): save a dense model (n_experts=0)")
+    if placement is None:
+        return rules(cfg)
+    mine = [s for s, r in enumerate(placement) if r == model.grid.pp.rank]
+    return stage_rules(cfg, mine, len(placement))
+
+
+def placements(local: dict, model, prefix: str) -> dict:
+    """{prefix + reference name: (piece, global shape, offsets)} of this rank's tp-local tensors.
+
+    A split rule's tensor is [part_0 chunk; part_1 chunk; ...] along its dim (convert.Rule):
+    each part's chunk is the tp_rank-th of tp equal pieces of that reference tensor."""
+    shapes, grid = reference_shapes(model.cfg), model.grid
+    tp, r = grid.tp.size, grid.tp.rank
+    out = {}
+    for rule in _my_rules(model):
+        t = local[rule.name]
+        if rule.dim is None:
+            out[prefix + rule.parts[0]] = (t, shapes[rule.parts[0]], (0,) * t.dim())
+            continue
+        sizes = [shapes[p][rule.dim] // tp for p in rule.parts]
+        for part, piece in zip(rule.parts, t.split(sizes, rule.dim)):
+            offsets = [0] * t.dim()
+            offsets[rule.dim] = r * piece.shape[rule.dim]
+            out[prefix + part] = (piece, shapes[part], tuple(offsets))
+    return out
+
+
+# ---- the engine's tensors as whole tp-local tensors, and back -------------------------------
+def _owned_pieces(engine) -> list[tuple]:
+    """(param, index into param.view(-1), index into the optimizer's flat state, length) for
+    every element this rank's ZeroOptimizer steps (data_parallel/zero.py: the flat state is
+    engine.owned_params() end to end)."""
+    out, base = [], 0
+    if hasattr(engine, "units"):                                     # ZeroStage3
+        for u in engine.units:
+            out += [(p, i, base + j, n) for p in u.params for i, j, n in u.layout.pieces(p, [u.range])]
+            base += u.range[1] - u.range[0]
+        return out
+    for gb in engine.buffers:                                        # DataParallel, stages 0-2
+        out += [(p, i, base + j, n) for p in gb.layout.params for i, j, n in gb.layout.pieces(p, gb.owned)]
+        base += sum(e - s for s, e in gb.owned)
+    return out
+
+
+def _sharding_group(engine, p):
+    """The group p's optimizer state is sharded over; None: every rank steps all of p."""
+    if hasattr(engine, "units"):
+        return engine.unit_of[p].group
+    gb = engine.buffer_of[p]
+    return gb.group if gb.stage >= 1 else None
+
+
+def _state_to_local(engine, flat: torch.Tensor) -> dict:
+    """{param name: whole tp-local tensor} of a flat optimizer state (collective over dp)."""
+    full = {p: torch.zeros(p.numel(), dtype=flat.dtype, device=flat.device) for p in engine.parameters}
+    for p, i, j, n in _owned_pieces(engine):
+        full[p][i:i + n] = flat[j:j + n]
+    for p in engine.parameters:           # each element is owned by exactly one rank of its group
+        if _sharding_group(engine, p) is not None:
+            comm.all_reduce(full[p], _sharding_group(engine, p))
+    return {engine.names[p]: t.view(p.shape) for p, t in full.items()}
+
+
+def _local_to_state(engine, local: dict, flat: torch.Tensor) -> None:
+    for p, i, j, n in _owned_pieces(engine):
+        flat[j:j + n].copy_(local[engine.names[p]].reshape(-1)[i:i + n])
+
+
+def _local_weights(model, engine) -> dict:
+    if engine is not None and hasattr(engine, "param_pieces"):     # ZeRO-3: gather the shards
+        return gathered_params(engine)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def _write_weights(model, engine, local: dict) -> None:
+    params = dict(model.named_parameters())
+    if engine is not None and hasattr(engine, "param_pieces"):
+        for p in engine.parameters:
+            w = local[engine.names[p]].reshape(-1)
+            for i, piece in engine.param_pieces(p):
+                piece.copy_(w[i:i + piece.numel()])
+        return
+    for name, t in local.items():
+        params[name].copy_(t)
+
+
+# ---- DCP planners that take placements instead of DTensors ----------------------------------
+class _PlacedSavePlanner(DefaultSavePlanner):
+    """Writes each piece at its placement (DCP's default planner assumes a whole tensor)."""
+
+    def __init__(self, placed: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.placed = placed
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.shape),
+                               properties=TensorProperties.create_from_tensor(t),
+                               size=torch.Size(shape)))
+                 for fqn, (t, shape, off) in self.placed.items()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        return self.placed[write_item.index.fqn][0].detach().contiguous()
+
+
+class _PlacedLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each wanted placement, the overlapping parts of the saved pieces."""
+
+    def __init__(self, wanted: dict, path: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.wanted, self.path = wanted, path
+
+    def create_local_plan(self) -> LoadPlan:
+        saved, requests = self.metadata.state_dict_metadata, []
+        for fqn, (t, shape, off) in self.wanted.items():
+            if fqn not in saved:
+                raise CheckpointError(f"{self.path}: holds no tensor {fqn!r} (saved from another "
+                                      "model, or without optimizer state)")
+            if tuple(saved[fqn].size) != tuple(shape):
+                raise CheckpointError(f"{self.path}: {fqn} has shape {tuple(saved[fqn].size)}, this "
+                                      f"model needs {tuple(shape)}")
+            chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.shape)
+            requests += create_read_items_for_chunk_list(fqn, saved[fqn], [chunk])
+        self.plan = LoadPlan(requests)
+        return self.plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.wanted[index.fqn][0]
+
+
+# ---- save ------------------------------------------------------------------------------------
+def _world(grid) -> comm.Group:
+    return comm.Group("world", range(grid.world_size))
+
+
+def _die_if_planted(point: str, rank: int) -> None:
+    if FAULT_AT is not None and FAULT_AT == (point, rank):
+        os._exit(17)                      # a rank killed mid-save (tests)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra: dict | None = None) -> None:
+    """Every rank calls it (collective). `engine`/`optimizer`: data_parallel.wrap's pair, or None.
+    `extra` (JSON-able, rank 0's is kept): e.g. the data position and the loss scaler's state."""
+    grid = model.grid
+    path = os.path.abspath(path)
+    partial = path + ".partial"
+    if grid.rank == 0:
+        if os.path.exists(partial):
+            shutil.rmtree(partial)        # left by a save that died
+        os.makedirs(partial)
+    comm.barrier(_world(grid))
+    placed = placements(_local_weights(model, engine), model, "model/")
+    if optimizer is not None:
+        for kind, flat in _optimizer_flats(optimizer):
+            placed.update(placements(_state_to_local(engine, flat), model, f"optimizer/{kind}/"))
+    dcp.save({k: v[0] for k, v in placed.items()}, planner=_PlacedSavePlanner(placed),
+             storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True))
+    _die_if_planted("written", grid.rank)
+    comm.barrier(_world(grid))
+    if grid.rank == 0:
+        files = {f: {"bytes": os.path.getsize(os.path.join(partial, f)), "sha256": _sha256(os.path.join(partial, f))}
+                 for f in sorted(os.listdir(partial))}
+        manifest = {"format": FORMAT, "model": dataclasses.asdict(model.cfg),
+                    "parallel": dataclasses.asdict(grid.config), "step": step,
+                    "dropout_seed": model.rng.seed, "dtype": str(next(model.parameters()).dtype),
+                    "zero_stage": _zero_stage(engine),
+                    "optimizer_step": optimizer.step_count if optimizer is not None else None,
+                    "optimizer_states": [k for k, _ in _optimizer_flats(optimizer)] if optimizer else [],
+                    "extra": extra or {}, "files": files}
+        with open(os.path.join(partial, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _die_if_planted("manifest", 0)
+        old = path + ".old"
+        if os.path.exists(path):
+            os.rename(path, old)          # keep the previous one until the new one is in place
+        os.rename(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    comm.barrier(_world(grid))
+
+
+def _zero_stage(engine):
+    if engine is None:
+        return None
+    return 3 if hasattr(engine, "units") else engine.zero_stage
+
+
+def _optimizer_flats(optimizer) -> list[tuple[str, torch.Tensor]]:
+    out = [] if optimizer.master_is_model else [("master", optimizer.master)]
+    return out + [("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)]
+
+
+# ---- load ------------------------------------------------------------------------------------
+def read_manifest(path: str) -> dict:
+    """The manifest, after checking that every file it lists is there, whole and unchanged."""
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint (a save "
+                              "that was interrupted leaves none)")
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format {manifest.get('format')!r}, this minitron reads {FORMAT}")
+    for name, want in manifest["files"].items():
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            raise CheckpointError(f"{f} is missing (the manifest lists it)")
+        if os.path.getsize(f) != want["bytes"]:
+            raise CheckpointError(f"{f} has {os.path.getsize(f)} bytes, the manifest says "
+                                  f"{want['bytes']}: truncated or overwritten")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"{f} is corrupted: its sha256 differs from the manifest's")
+    return manifest
+
+
+def check_compatible(manifest: dict, cfg: ModelConfig, path: str) -> None:
+    saved = manifest["model"]
+    wrong = [f"{k}={saved.get(k)!r} (this model: {v!r})" for k, v in dataclasses.asdict(cfg).items()
+             if k not in RUNTIME_FIELDS and saved.get(k) != v]
+    if wrong:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: saved from an incompatible model: "
+                              + ", ".join(wrong))
+
+
+def _dcp_read(path: str, wanted: dict) -> None:
+    try:
+        dcp.load({k: v[0] for k, v in wanted.items()}, planner=_PlacedLoadPlanner(wanted, path),
+                 storage_reader=dcp.FileSystemReader(path))
+    except CheckpointError:
+        raise
+    except Exception as e:                 # DCP wraps every rank's failure; name the checkpoint
+        raise CheckpointError(f"{path}: reading the shards failed: {str(e).splitlines()[0]}") from None
+
+
+@torch.no_grad()
+def load(path: str, model, engine=None, optimizer=None) -> dict:
+    """Load `path` into this rank's model (and optimizer), whatever grid saved it; returns the
+    manifest (step, extra, ...). Collective. Nothing is changed unless every check passes."""
+    path = os.path.abspath(path)
+    manifest = read_manifest(path)
+    check_compatible(manifest, model.cfg, path)
+    if optimizer is not None and manifest["optimizer_step"] is None:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: saved without optimizer state; "
+                              "load the weights only (optimizer=None)")
+    weights = {n: torch.empty_like(t) for n, t in _local_weights(model, engine).items()}
+    wanted = placements(weights, model, "model/")
+    states, masters = {}, None
+    if optimizer is not None:
+        shapes = {engine.names[p]: p for p in engine.parameters}
+        fp32 = {k: {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in shapes.items()}
+                for k in STATES}
+        for kind in STATES[1:]:
+            states[kind] = fp32[kind]
+            wanted.update(placements(fp32[kind], model, f"optimizer/{kind}/"))
+        if not optimizer.master_is_model:
+            masters = fp32["master"]
+            saved_master = "master" in manifest["optimizer_states"]
+            # An fp32 run's weights were its own masters: read them in full precision.
+            source = "optimizer/master/" if saved_master else "model/"
+            _dcp_read(path, placements(masters, model, source))
+    _dcp_read(path, wanted)
+    # Every check passed and every byte is read: only now change the model and optimizer.
+    _write_weights(model, engine, weights)
+    if optimizer is not None:
+        for kind, flat in _optimizer_flats(optimizer):
+            _local_to_state(engine, masters if kind == "master" else states[kind], flat)
+        optimizer.step_count = manifest["optimizer_step"]
+    return manifest

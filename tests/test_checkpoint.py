@@ -1,0 +1,134 @@
+"""Distributed checkpoints: saved on one grid, loaded on another, the next step's loss is the
+same; resumed on the same grid, the losses continue bit for bit; a save killed midway leaves
+the previous checkpoint whole; a bad checkpoint fails naming the file and changes nothing."""
+import json
+import os
+
+import pytest
+import torch
+
+from minitron import checkpoint
+from minitron.grid import ParallelConfig
+from minitron.launch import RankError
+from minitron.model.config import ModelConfig
+from minitron.training import TrainingRun
+
+MCFG = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=4, n_heads=4)
+BATCH = 8
+TOL = 1e-5          # fp32 next-step loss on another grid: only the sums' order differs (measured ~1e-7)
+
+
+def batch(step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, MCFG.vocab_size, (BATCH, MCFG.seq_len + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def make_run(grid_kw, zero, seed=0):
+    return TrainingRun(MCFG, ParallelConfig(**grid_kw), zero_stage=zero, microbatches=2,
+                       lr=1e-2, seed=seed)
+
+
+def train_and_save(grid_kw, zero, path, steps):
+    """`steps` steps, save, then one more step: (losses, the loss of the step after the save)."""
+    run = make_run(grid_kw, zero)
+    losses = [run.step(*batch(s), s) for s in range(steps)]
+    checkpoint.save(path, run.model, run.engine, run.optimizer, step=steps, extra={"data": steps})
+    return losses, run.step(*batch(steps), steps)
+
+
+def load_and_step(grid_kw, zero, path, seed=7):
+    run = make_run(grid_kw, zero, seed=seed)     # another seed: loading must replace every weight
+    before = run.evaluate(*batch(0))
+    manifest = checkpoint.load(path, run.model, run.engine, run.optimizer)
+    step = manifest["step"]
+    return before, run.evaluate(*batch(0)), run.step(*batch(step), step), manifest["extra"]
+
+
+SAVED = [(dict(tp=2, pp=2), 0), (dict(dp=2, pp=2), 2)]
+LOADED = [(dict(pp=4), 0), (dict(tp=2, dp=2), 3), (dict(tp=4), 1), (dict(dp=4), 1)]
+
+
+@pytest.mark.parametrize("saved", SAVED, ids=["tp2pp2", "dp2pp2-zero2"])
+def test_load_on_another_grid_gives_the_same_next_loss(run_ranks, tmp_path, saved):
+    path = str(tmp_path / "ckpt")
+    losses, next_loss = run_ranks(train_and_save, *saved, path, 2, world_size=4)[0]
+    assert losses[1] < losses[0]
+    for grid_kw, zero in LOADED:
+        out = run_ranks(load_and_step, grid_kw, zero, path, world_size=4)
+        before, after, loss, extra = out[0]
+        assert all(o[2] == loss for o in out)                       # every rank agrees
+        assert extra == {"data": 2}
+        assert abs(before - after) > 1e-3, "the load changed nothing (test of the test)"
+        assert abs(loss - next_loss) <= TOL * abs(next_loss), (grid_kw, zero, loss, next_loss)
+
+
+def resume(path, steps, total):
+    run = make_run(dict(dp=2), 1)
+    manifest = checkpoint.load(path, run.model, run.engine, run.optimizer)
+    return [run.step(*batch(s), s) for s in range(manifest["step"], total)]
+
+
+def straight(total):
+    run = make_run(dict(dp=2), 1)
+    return [run.step(*batch(s), s) for s in range(total)]
+
+
+def test_resume_is_bit_for_bit(run_ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    full = run_ranks(straight, 5, world_size=2)[0]
+    first, third = run_ranks(train_and_save, dict(dp=2), 1, path, 2, world_size=2)[0]
+    rest = run_ranks(resume, path, 2, 5, world_size=2)[0]
+    assert first + rest == full                                      # exactly, on CPU
+    assert rest[0] == third
+
+
+def save_with_fault(path, fault):
+    checkpoint.FAULT_AT = fault
+    run = make_run(dict(dp=2), 0, seed=3)
+    run.step(*batch(0), 0)
+    checkpoint.save(path, run.model, run.engine, run.optimizer, step=99)
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(run_ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(train_and_save, dict(dp=2), 0, path, 1, world_size=2)
+    files = sorted(os.listdir(path))
+    for fault in [("written", 1), ("manifest", 0)]:
+        with pytest.raises(RankError, match="died"):
+            run_ranks(save_with_fault, path, fault, world_size=2)
+        assert sorted(os.listdir(path)) == files
+        assert json.load(open(os.path.join(path, checkpoint.MANIFEST)))["step"] == 1
+        if fault[0] == "written":        # died before the manifest: the partial save is no checkpoint
+            with pytest.raises(checkpoint.CheckpointError, match="manifest.json is missing"):
+                checkpoint.read_manifest(path + ".partial")
+    out = run_ranks(load_and_step, dict(dp=2), 0, path, world_size=2)
+    assert out[0][3] == {"data": 1}
+
+
+def load_expecting_error(path, mcfg):
+    run = TrainingRun(mcfg, ParallelConfig(dp=2), seed=5)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    try:
+        checkpoint.load(path, run.model, run.engine, run.optimizer)
+    except checkpoint.CheckpointError as e:
+        unchanged = all(torch.equal(p, before[n]) for n, p in run.model.named_parameters())
+        return str(e), unchanged
+    return None, True
+
+
+def test_bad_checkpoints_fail_naming_the_file(run_ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(train_and_save, dict(dp=2), 0, path, 1, world_size=2)
+    shard = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[-1]
+    other = ModelConfig(**{**MCFG.__dict__, "hidden": 64})
+    msg, unchanged = run_ranks(load_expecting_error, path, other, world_size=2)[0]
+    assert "incompatible model" in msg and "hidden=32" in msg and unchanged
+    data = bytearray(open(os.path.join(path, shard), "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(os.path.join(path, shard), "wb").write(bytes(data))
+    msg, unchanged = run_ranks(load_expecting_error, path, MCFG, world_size=2)[0]
+    assert shard in msg and "corrupted" in msg and unchanged
+    os.remove(os.path.join(path, shard))
+    msg, unchanged = run_ranks(load_expecting_error, path, MCFG, world_size=2)[0]
+    assert shard in msg and "missing" in msg and unchanged
