@@ -30,9 +30,13 @@ def gpipe_by_hand():
 
 
 def boxes(ax):
-    """(x, rank, width, colour) of every drawn box, in drawing order."""
-    return [(round(p.get_x(), 6), round(p.get_y() + p.get_height() / 2, 6), round(p.get_width(), 6),
-             mcolors.to_hex(p.get_facecolor())) for p in ax.patches]
+    """(x, rank, width, colour) of every drawn box, in drawing order (one PolyCollection)."""
+    (collection,) = ax.collections
+    out = []
+    for path, color in zip(collection.get_paths(), collection.get_facecolors()):
+        (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+        out.append((round(x0, 6), round((y0 + y1) / 2, 6), round(x1 - x0, 6), mcolors.to_hex(color)))
+    return out
 
 
 def test_one_box_per_event_at_its_time_in_its_colour_with_its_microbatch():
@@ -57,17 +61,20 @@ def test_a_wrong_colour_or_a_missing_box_is_seen():
     ax = draw_timeline(timeline)
     want = sorted((float(e.start), float(e.rank), float(e.end - e.start), mcolors.to_hex(KIND_COLORS[e.kind]))
                   for e in timeline.events)
-    ax.patches[0].set_facecolor(KIND_COLORS["BW"])
+    (collection,) = ax.collections
+    colors = collection.get_facecolors()
+    colors[0] = mcolors.to_rgba(KIND_COLORS["BW"])
+    collection.set_facecolor(colors)
     assert sorted(boxes(ax)) != want
-    ax.patches[0].remove()
-    assert len(ax.patches) == len(timeline.events) - 1
+    collection.set_verts([p.vertices for p in collection.get_paths()[1:]])
+    assert len(boxes(ax)) == len(timeline.events) - 1
     plt.close("all")
 
 
 def test_later_chunks_are_a_lighter_shade_and_kinds_differ():
     timeline = simulate(make_schedule("interleaved", 2, 2, 2))
     ax = draw_timeline(timeline)
-    colours = {mcolors.to_hex(p.get_facecolor()) for p in ax.patches}
+    colours = {colour for _, _, _, colour in boxes(ax)}
     assert colours == {mcolors.to_hex(box_color(k, c)) for k in ("F", "BW") for c in (0, 1)}
     assert len(set(KIND_COLORS.values())) == len(KIND_COLORS)
     lighter = box_color("F", 1)

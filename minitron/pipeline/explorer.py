@@ -79,8 +79,7 @@ def figure(result: Result):
              + (f", v={s.virtual}" if s.virtual > 1 else "")
              + f", F:B:W = {s.F:g}:{s.B:g}:{s.W:g}" + (f", latency {s.latency:g}" if s.latency else ""))
     draw_timeline(result.timeline, ax, title, unit="time (cost units)", peaks=result.peaks)
-    fig.tight_layout()
-    return fig
+    return fig                       # drawn with bbox_inches="tight": the legend outside is kept
 
 
 def show(**setting) -> Result:
