@@ -1,0 +1,108 @@
+"""Text to batches: a byte-level tokenizer, a memory-mapped token file, a resumable loader.
+
+    tokens = prepare("data/corpus.txt", "runs/corpus.bin")   # once: bytes -> uint8 token file
+    train, val = split(tokens, held_out=0.1)                 # the last 10% is never trained on
+    loader = Loader(train, batch=16, seq=64, seed=0)
+    tokens, targets = loader.batch(step)                      # the global batch of that step
+
+Byte-level: token = one byte of the UTF-8 text (vocabulary 256), so any text works and nothing
+is learned or downloaded. The token file is read through np.memmap: a corpus larger than
+memory costs only the pages a batch touches.
+
+The loader is a pure function of (seed, step): batch(step) draws its rows' start offsets from a
+generator seeded by both. Every rank computes the same global batch and keeps its own rows
+(data_parallel.local_rows: replica d takes rows [d*B/n, (d+1)*B/n)), so data-parallel ranks
+see different sequences; and resuming at step s is just calling batch(s): the data position a
+checkpoint stores is the step.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+VOCAB_SIZE = 256
+
+
+def encode(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def prepare(text_path: str, token_path: str) -> np.memmap:
+    """Write `text_path`'s bytes as a token file (unless it is already there and newer); map it."""
+    if not os.path.isfile(text_path):
+        raise ValueError(f"corpus {text_path} does not exist: pass --corpus PATH to a text file")
+    if not os.path.exists(token_path) or os.path.getmtime(token_path) < os.path.getmtime(text_path):
+        with open(text_path, "rb") as f:
+            data = np.frombuffer(f.read(), dtype=np.uint8)
+        tmp = f"{token_path}.{os.getpid()}.tmp"
+        data.tofile(tmp)
+        os.replace(tmp, token_path)           # other ranks never see half a file
+    return np.memmap(token_path, dtype=np.uint8, mode="r")
+
+
+def split(tokens: np.ndarray, held_out: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation): the last `held_out` share of the tokens is kept for evaluation."""
+    cut = int(len(tokens) * (1 - held_out))
+    return tokens[:cut], tokens[cut:]
+
+
+class Loader:
+    """batch(step) -> (tokens [batch, seq], next-token targets [batch, seq]), int64."""
+
+    def __init__(self, tokens: np.ndarray, batch: int, seq: int, seed: int = 0):
+        if len(tokens) < seq + 2:
+            raise ValueError(f"the text has {len(tokens)} tokens, too few for sequences of {seq}: "
+                             "use a longer corpus or a shorter --seq")
+        self.tokens, self.batch_size, self.seq, self.seed = tokens, batch, seq, seed
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.seq - 1, (self.batch_size,), generator=gen)
+        rows = np.stack([np.asarray(self.tokens[s:s + self.seq + 1]) for s in starts.tolist()])
+        data = torch.from_numpy(rows.astype(np.int64))
+        return data[:, :-1], data[:, 1:]
+
+
+# ---- the shipped corpus: generated, so it is certainly free (data/README.md) ------------------
+_WORDS = {
+    "name": "Ada Ben Cleo Dan Eva Finn Gus Hana Ivo Jun Kit Lena Milo Nora Otto Pia".split(),
+    "animal": "fox owl cat hare crow mole goat wren frog bee".split(),
+    "adj": "small old red quiet bright green slow tall warm tired clever brave".split(),
+    "thing": "lamp boat map key bell coat kite drum cup book stone rope".split(),
+    "place": "the mill|the river|the hill|the market|the forest|the bridge|the harbour|the school".split("|"),
+    "verb": "found|carried|painted|lost|mended|sold|hid|opened|counted|borrowed".split("|"),
+    "time": "at dawn|in the evening|after the rain|on Monday|before supper|at noon|in winter".split("|"),
+}
+_TEMPLATES = [
+    "{name} {verb} the {adj} {thing} near {place} {time}.",
+    "The {adj} {animal} watched {name} from {place}.",
+    "{time}, {name} and {name2} walked to {place} with a {thing}.",
+    "\"Where is my {thing}?\" asked {name}. \"By {place},\" said {name2}.",
+    "A {adj} {animal} {verb} a {thing} {time}, and nobody saw it.",
+    "{name} counted {n} {animal}s on the way to {place}.",
+    "Every {thing} in {place} was {adj}, so {name} {verb} one {time}.",
+]
+
+
+def make_corpus(n_sentences: int = 6000, seed: int = 0) -> str:
+    """A deterministic text of simple sentences from the word lists above (written for minitron,
+    dedicated to the public domain): regular enough that a tiny model's loss falls in minutes."""
+    rng = random.Random(seed)
+    lines, para = [], []
+    for _ in range(n_sentences):
+        words = {k: rng.choice(v) for k, v in _WORDS.items()}
+        words["name2"] = rng.choice(_WORDS["name"])
+        words["n"] = rng.choice("two three four five six seven".split())
+        sentence = rng.choice(_TEMPLATES).format(**words)
+        para.append(sentence[0].upper() + sentence[1:])
+        if len(para) >= rng.randint(3, 6):
+            lines.append(" ".join(para))
+            para = []
+    return "\n\n".join(lines) + "\n"
