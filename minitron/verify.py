@@ -26,6 +26,9 @@ dL/dX collected from the stages that made them, every gradient and weight gather
 stages, and the tied embedding's two copies (first and last stage) bitwise equal over the
 `embedding` group. The batch defaults to one sequence per micro-batch.
 
+`--recompute full|selective` makes the split model recompute every layer, or only its
+attention core, in backward (ModelConfig.recompute); the reference keeps everything.
+
 `--kernels` builds the split model with ModelConfig(use_kernels=True), so its norms, attention,
 MLP activations and loss run minitron.kernels' fused Triton kernels, and steps it with
 FusedAdamW; the reference keeps plain torch ops and torch.optim.AdamW, and the tolerances stay
@@ -243,6 +246,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
                         "activations, loss) and FusedAdamW; on CPU ranks through the Triton "
                         "interpreter (TRITON_INTERPRET=1, set here; a few seconds at the default shape)")
+    r.add_argument("--recompute", choices=CHOICES["recompute"], default="none",
+                   help="activation recomputation in the split model (minitron/recompute.py): "
+                        "every layer (full) or the attention core (selective)")
     r.add_argument("--plant", default=None, help=argparse.SUPPRESS)   # tests: verify_plants.PLANTS
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, default=2)
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                            norm=args.norm, activation=args.activation, position=args.position,
                            dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias,
-                           use_kernels=args.kernels)
+                           use_kernels=args.kernels, recompute=args.recompute)
         validate_model(pcfg, mcfg)
         Plant(args.plant)
         dtype = getattr(torch, args.dtype)

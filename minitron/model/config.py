@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"),
-           "position": ("learned", "rope"), "dropout_rng": ("exact", "per_rank")}
+           "position": ("learned", "rope"), "dropout_rng": ("exact", "per_rank"),
+           "recompute": ("none", "selective", "full")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,10 @@ class ModelConfig:
     init_std: float = 0.02
     rope_base: float = 10000.0
     use_kernels: bool = False     # fused Triton kernels where minitron.kernels provides them
+    # Activation recomputation in ParallelGPT (minitron/recompute.py): "full" keeps only each
+    # layer's input and reruns the layer in backward; "selective" reruns only the attention
+    # core (Korthikanti et al. 2022). Numerics unchanged; the reference GPT ignores it.
+    recompute: str = "none"
     # Mixture of experts (minitron/moe/): n_experts > 0 makes the MLP of every `moe_every`-th
     # layer (layers 0, moe_every, 2*moe_every, ..., as Megatron's moe_layer_freq) a router
     # choosing `topk` of n_experts expert MLPs (each of ffn columns) per token.

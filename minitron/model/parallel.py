@@ -29,6 +29,8 @@ dropout_rng="per_rank" seeds each TP rank Megatron's way and draws only the loca
 activation is split across the group, which is how the RNG knows the region.
 
 ModelConfig(use_kernels=True) swaps in the fused Triton kernels (see fused.py).
+ModelConfig(recompute="full" | "selective") recomputes each block, or only its attention
+core, in backward (minitron/recompute.py), with the same dropout masks.
 
 Context parallelism (grid.cp > 1, minitron/context_parallel): a rank's tokens are its cp rank's
 two zigzag chunks of every sequence (then, under SP, its 1/tp of those). Attention reaches the
@@ -39,6 +41,8 @@ mean over its own tokens, so finalize_grads averages every gradient over cp.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -48,6 +52,7 @@ from ..context_parallel import positions as cp_positions
 from ..context_parallel.grads import average_grads_over_cp
 from ..grid import Grid, validate_model
 from ..kernels import ops   # imports no triton until a kernel first runs
+from ..recompute import checkpoint
 from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                              vocab_parallel_cross_entropy)
 from ..tensor_parallel.grads import allreduce_sequence_parallel_grads
@@ -110,6 +115,9 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: _Ctx):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
+        if cfg.recompute == "selective" and ctx.cp > 1:
+            raise ValueError("selective recomputation of context-parallel attention is not built: "
+                             "use recompute='full' or 'none' with cp > 1")
         hd, tp = cfg.head_dim, ctx.tp
         self.heads, self.kv_heads = cfg.n_heads // tp, cfg.kv_heads // tp   # this rank's
         self.qkv = ColumnParallelLinear(cfg.hidden, (cfg.n_heads + 2 * cfg.kv_heads) * hd, ctx.group,
@@ -132,9 +140,13 @@ class ParallelAttention(nn.Module):
         if self.ctx.cp > 1:
             y = self.context_parallel_core(q, k, v, rng, slice(first, first + self.heads))
             return self.out(y.transpose(1, 2).reshape(b, s, -1))
-        core = fused_attention_core if self.cfg.use_kernels else attention_core
-        y = core(q, k, v, self.cfg, rng, self.training,
-                 head_index=slice(first, first + self.heads), full_heads=self.cfg.n_heads)
+        core = functools.partial(fused_attention_core if self.cfg.use_kernels else attention_core,
+                                 cfg=self.cfg, rng=rng, training=self.training,
+                                 head_index=slice(first, first + self.heads), full_heads=self.cfg.n_heads)
+        if self.cfg.recompute == "selective":   # keep q, k, v; rerun the core in backward
+            y = checkpoint(core, rng, q, k, v)
+        else:
+            y = core(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
 
     def context_parallel_core(self, q, k, v, rng: DropoutRNG, heads: slice) -> torch.Tensor:
@@ -187,6 +199,11 @@ class ParallelBlock(nn.Module):
         _mark_sequence_parallel(self.mlp_norm, ctx.sp)
 
     def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
+        if self.ctx.cfg.recompute == "full":    # keep x only; rerun the layer in backward
+            return checkpoint(self._forward, rng, x, others=(rng,))
+        return self._forward(x, rng)
+
+    def _forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
         drop = self.ctx.dropout
         x = x + drop(self.attention(self.attn_norm(x), rng), rng, self.training)
         return x + drop(self.mlp(self.mlp_norm(x)), rng, self.training)
