@@ -32,7 +32,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 NO_CHROMIUM = "needs Chromium and chromedriver (apt-get install chromium chromium-driver)"
 NO_SELENIUM = "needs selenium (pip install -e '.[browser]')"
-SLOW = 120          # seconds: JupyterLab's start and the kernel's imports on a busy 2-core machine
+SLOW = 240          # seconds a step may take: JupyterLab's start, the kernel's imports on a busy 2-core machine
 
 
 def _require(ok: bool, reason: str):
