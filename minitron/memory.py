@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 import sys
 
@@ -162,8 +163,14 @@ def in_flight(su: Setup) -> float:
     name = su.schedule or ("interleaved" if su.virtual > 1 else "1f1b")
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    m = su.microbatches or su.pp * (2 if su.virtual > 1 else 1)
-    return float(check(make_schedule(name, su.pp, m, su.virtual)).peak_activations[0])
+    return _schedule_peak(name, su.pp, su.microbatches or su.pp * (2 if su.virtual > 1 else 1),
+                          su.virtual)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_peak(name: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Checking a schedule simulates it (a second at pp=64): once per shape is enough."""
+    return float(check(make_schedule(name, pp, microbatches, virtual)).peak_activations[0])
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, su: Setup) -> int:
