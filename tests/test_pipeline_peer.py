@@ -118,15 +118,15 @@ def _torch_step(ref: GPT, name: str, placement: tuple, rank: int, m: int, tokens
     """torch's pipeline on this rank's PeerStages: (loss or None, logits or None, grads, the
     compute order it ran, the order it describes for every rank as pipeline_order or None)."""
     import torch.distributed as dist
-    n_stages, mbs = len(placement), tokens.shape[0] // m
+    cfg, n_stages, mbs = ref.cfg, len(placement), tokens.shape[0] // m
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()) / m
 
     stages, order = [], []
     for s in (s for s, r in enumerate(placement) if r == rank):
-        act = torch.zeros(mbs, CFG.seq_len, CFG.hidden, requires_grad=True)
-        out = torch.zeros(mbs, CFG.seq_len, CFG.vocab_size if s == n_stages - 1 else CFG.hidden,
+        act = torch.zeros(mbs, cfg.seq_len, cfg.hidden, requires_grad=True)
+        out = torch.zeros(mbs, cfg.seq_len, cfg.vocab_size if s == n_stages - 1 else cfg.hidden,
                           requires_grad=True)
         # example tensors (static shapes: no metadata exchange); requires_grad on the
         # activations, or torch sends no gradient back to the previous stage
@@ -143,13 +143,13 @@ def _torch_step(ref: GPT, name: str, placement: tuple, rank: int, m: int, tokens
     schedule = cls(stages if name in MULTI else stages[0], m, **kwargs)
     losses: list = []
     logits = schedule.step(*((tokens,) if rank == 0 else ()), target=targets, losses=losses)
-    if ref.cfg.tie_embeddings:   # Megatron's sum of the two copies (pp=2: the world is the
+    if cfg.tie_embeddings:   # Megatron's sum of the two copies (pp=2: the world is the
         dist.all_reduce(ref.embedding.word.weight.grad)   # first and the last rank)
     last = rank == placement[-1]
     loss = torch.stack([x.detach() for x in losses]).sum() if last else None
     grads = {k: g.clone() for k, g in grads_state_dict(ref).items()}
     kinds = {"F": "F", "B": BW, "I": B, "W": W}     # torch's "B" is a full backward, "I" dL/dX
-    described = getattr(schedule, "pipeline_order", None)    # not in torch < 2.6's 1F1B/GPipe
+    described = getattr(schedule, "pipeline_order", None)   # older torch: multi-stage ones only
     if described is not None:
         described = {r: [(kinds[a.computation_type.value], a.microbatch_index, a.stage_index)
                          for a in acts if a is not None and a.computation_type.value in kinds]
