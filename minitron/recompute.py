@@ -27,6 +27,11 @@ leaves no trace on the RNG.
 
 Collectives inside fn (TP's all-gathers under SP, the all-reduces) run again in backward, on
 every rank of the group at the same point, so they stay matched.
+
+Limits (those of Megatron's reentrant checkpoint too): backward reaches fn only through the
+saved tensors, so at least one of them must require grad (a block's input always does: it
+comes from the trainable embedding or a pipeline receive); and fn reruns under the autocast
+state of backward (minitron's 16-bit training casts the model, it uses no autocast).
 """
 from __future__ import annotations
 
