@@ -55,6 +55,10 @@ verify-all: setup
 	$(BIN)/python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 --steps 3
 	$(BIN)/python -m minitron.verify --tp 2 --sp --steps 3 --dtype bfloat16
 	$(BIN)/python -m minitron.verify --tp 2 --sp --steps 3 --dtype float16
+	$(BIN)/python -m minitron.verify --ep 2 --experts 4 --topk 2 --steps 3
+	$(BIN)/python -m minitron.verify --ep 2 --tp 2 --sp --experts 4 --steps 3
+	$(BIN)/python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0 --steps 3
+	$(BIN)/python -m minitron.verify --ep 2 --dp 2 --experts 4 --steps 3
 
 bench: setup
 	$(BIN)/python -m minitron.bench overhead

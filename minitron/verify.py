@@ -53,6 +53,15 @@ different places, so logits, loss, dL/dX and gradients are held to precision.tol
 C16 * eps16 = 8 * eps16 relative to the tensor's largest entry (bf16 6.2e-2, fp16 7.8e-3;
 measured at most about 3 eps16). Updates keep the float32 update bar beyond 2 spacings of the
 stored 16-bit weight: both sides step fp32 masters on the same gradients.
+
+`--experts N` makes the MLP of layers 0, k, 2k, ... (`--moe-every k`) a mixture of N experts
+(minitron/moe/: `--topk`, `--capacity-factor`, `--pre-softmax`, aux and z-loss coefficients),
+and `--ep E` spreads each layer's experts over E ranks (tp defaults to 1 then; with --tp > 1
+sequence parallelism is required). Expert-parallel ranks are data-parallel replicas of the
+dense layers, so they run through the data-parallel engine on their own rows (dp x ep of
+them): dense gradients averaged over dense_dp, expert gradients summed over dp_cp. The loss
+includes the routers' auxiliary losses on both sides; a `moe drops` row per step checks that a
+capacity factor dropped exactly the reference's (token, expert) pairs.
 """
 from __future__ import annotations
 
@@ -78,7 +87,7 @@ __all__ = ["verify", "main", "run_rank", "make_batch", "parallel_step", "referen
 
 
 # Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
-UNBUILT = {"ep": ("expert parallelism", "mixture of experts, lesson 08")}
+UNBUILT: dict[str, tuple[str, str]] = {}
 
 
 def check_built(pcfg: ParallelConfig) -> None:
@@ -156,17 +165,19 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
 
 
 def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> int:
-    """The batch (default: one sequence per micro-batch, else 2, per dp replica), checked to cut
-    into dp replicas of whole micro-batches."""
+    """The batch (default: one sequence per micro-batch, else 2, per dp replica; with ep, one
+    row per dp x ep replica at least), checked to cut into the replicas' whole micro-batches."""
     per_replica = sched.microbatches if sched is not None else 1
-    batch = batch or (per_replica if sched is not None else 2) * pcfg.dp
-    if batch % (per_replica * pcfg.dp) == 0:
+    replicas = pcfg.dp * pcfg.ep          # expert-parallel ranks run their own rows too
+    batch = batch or (per_replica * replicas if sched is not None else max(2 * pcfg.dp, replicas))
+    if batch % (per_replica * replicas) == 0:
         return batch
-    if pcfg.dp == 1:
+    if replicas == 1:
         raise ValueError(f"{what} {batch} cannot be cut into {per_replica} equal "
                          f"micro-batches: use a multiple of {per_replica}")
-    raise ValueError(f"{what} {batch} cannot be cut into dp={pcfg.dp} replicas of {per_replica} "
-                     f"micro-batch(es): use a multiple of {pcfg.dp * per_replica}")
+    who = f"dp={pcfg.dp}" if pcfg.ep == 1 else f"dp x ep={replicas}"
+    raise ValueError(f"{what} {batch} cannot be cut into {who} replicas of {per_replica} "
+                     f"micro-batch(es): use a multiple of {replicas * per_replica}")
 
 
 def check_cp(pcfg: ParallelConfig, sched) -> None:
@@ -194,6 +205,10 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 Megatron's distributed optimizer
   python -m minitron.verify --tp 1 --dp 4 --zero 3      parameters sharded too
   python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
+  python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
+  python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
+  python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
+  python -m minitron.verify --ep 2 --dp 2 --experts 4
 
 exit status: 0 PASS, 1 FAIL, 2 bad options"""
 
@@ -213,7 +228,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minitron.verify", description=__doc__.split("\n")[0],
                                 epilog=EXAMPLES, formatter_class=_HelpFormatter)
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks launched)")
+    g.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default 2; 1 with --ep > 1)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages' ranks)")
     g.add_argument("--virtual", type=int, default=1, dest="virtual_pp",
@@ -231,7 +247,8 @@ def _parser() -> argparse.ArgumentParser:
                    "own rows of the batch")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage of the data-parallel engine (default: 0 where one runs)")
-    g.add_argument("--ep", type=int, default=1, help=f"{UNBUILT['ep'][0]} (not built yet)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size: the experts of each "
+                   "MoE layer spread over ep ranks (needs --experts; a replica of the dense layers)")
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=_positive, default=3)
     r.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
@@ -263,13 +280,24 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--dropout", type=float, default=0.1)
     m.add_argument("--tie", action="store_true", help="tie the output layer to the embedding")
     m.add_argument("--no-bias", action="store_true", help="no biases on the linear layers")
+    e = p.add_argument_group("experts")
+    e.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    e.add_argument("--topk", type=_positive, default=2, help="experts per token")
+    e.add_argument("--moe-every", type=_positive, default=1, help="layers 0, k, 2k, ... are MoE")
+    e.add_argument("--capacity-factor", type=float, default=None,
+                   help="tokens per expert and sequence = ceil(factor * seq * topk / experts); "
+                        "default dropless")
+    e.add_argument("--pre-softmax", action="store_true", help="softmax over all experts, then top-k")
+    e.add_argument("--aux-loss", type=float, default=0.01, help="Switch load-balancing coefficient")
+    e.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss coefficient")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
+        tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
+        pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
                               cp_variant=args.cp_variant)
         check_built(pcfg)
@@ -282,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                            norm=args.norm, activation=args.activation, position=args.position,
                            dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias,
-                           use_kernels=args.kernels, recompute=args.recompute)
+                           use_kernels=args.kernels, recompute=args.recompute,
+                           n_experts=args.experts, topk=args.topk, moe_every=args.moe_every,
+                           capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
+                           aux_loss_coeff=args.aux_loss, z_loss_coeff=args.z_loss)
         validate_model(pcfg, mcfg)
         Plant(args.plant)
         dtype = getattr(torch, args.dtype)

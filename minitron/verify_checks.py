@@ -211,13 +211,17 @@ def replica_groups(rule: Rule, tied_across_stages: bool = False, over_dp: bool =
     """The groups across which this parameter is held whole (and must stay identical).
 
     Not split along tp: replicated over tp. Every parameter is replicated over dp and cp (data
-    and context parallelism copy the model); groups of one rank are skipped by the caller.
+    and context parallelism copy the model), and every one but the experts' over ep (an
+    expert-parallel rank holds other experts, but is a data-parallel replica of the dense
+    layers); groups of one rank are skipped by the caller.
     A pipeline's tied word embedding, when the first and the last stage are on different ranks
     (both hold a copy: pipeline/partition.py), is replicated over the "embedding"
     group. over_dp=False leaves dp out: tensors rebuilt from ZeRO shards (data_parallel.checks)
     are equal over dp by construction, so comparing them there would check nothing.
     """
     groups = ["dp", "cp"] if over_dp else ["cp"]
+    if over_dp and not rule.experts:   # an ep rank is a data-parallel replica of dense layers
+        groups.append("ep")
     if rule.dim is None:
         groups.insert(0, "tp")
     if tied_across_stages and rule.name == "embedding.word.weight":

@@ -4,7 +4,7 @@
 Each plant breaks one thing at one point of a step and should be caught by exactly one kind of
 row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
 tensor's update, or in one logit; in the pipeline executor, a gradient delivered to the wrong
-stage or a W dropped.
+stage or a W dropped; in an MoE layer, a wrong split size or an unpermute off by one.
 """
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ PLANTS = {
                      "exp(lse_block - lse) rescale",
     "cp-chunk-order": "context parallel: the batch cut into contiguous chunks while positions, "
                       "masks and the gather back assume zigzag (a wrong chunk order)",
+    "moe-split": "experts: the grouped matmul's split sizes are off: one row of each rank's first "
+                 "local expert is run by the next (minitron/moe/dispatch.py)",
+    "moe-unpermute": "experts: undoing the regrouping is off by one row, so expert outputs return "
+                     "to the wrong tokens",
 }
 
 
@@ -51,6 +55,16 @@ class Plant:
         if not found:
             raise ValueError(f"plant {self.kind}: no parameter named *{self.target}")
         return found
+
+    def install(self, model) -> None:
+        """Put a dispatch fault into every MoE layer of `model` (moe-* plants)."""
+        if not self.kind.startswith("moe-"):
+            return
+        layers = [m for m in model.modules() if hasattr(m, "dispatcher")]
+        if not layers:
+            raise ValueError(f"plant {self.kind} needs a model with experts (--experts)")
+        for m in layers:
+            m.dispatcher.plant = self.kind[len("moe-"):]
 
     def _on_rank_1(self, grid: Grid) -> bool:
         if grid.tp.size < 2:

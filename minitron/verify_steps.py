@@ -12,6 +12,12 @@ The split model takes its step in one of three ways, by what the run splits:
                  ZeRO 1-2, while backward runs; ZeroStage3) and ZeroOptimizer stepping fp32
                  master weights of this rank's shard. Logits and dL/dX are gathered back over dp
                  in row order and the loss averaged over dp: the whole batch's, as one device.
+                 Expert parallelism (ep > 1) runs this way too: ep ranks are data-parallel
+                 replicas of the dense layers (rows split over dp x ep, gathered back over
+                 dense_dp), and the engine sums expert gradients over dp_cp only.
+
+With experts the loss includes the routers' auxiliary losses on both sides, and one row per
+step checks that a capacity factor dropped the reference's (token, expert) pairs, pair for pair.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from .grid import ParallelConfig, build_grid
 from .model.config import ModelConfig
 from .model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from .model.parallel import ParallelGPT
+from .moe.layer import check_moe_grid
 from .model.reference import GPT
 from .optim import FusedAdamW
 from .pipeline.executor import collect_outputs, run_schedule
@@ -47,7 +54,7 @@ def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
 
 def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> bool:
     """Whether the split model is stepped through a data-parallel engine and ZeroOptimizer."""
-    return pcfg.dp > 1 or zero is not None or dtype in SIXTEEN_BIT
+    return pcfg.dp > 1 or pcfg.ep > 1 or zero is not None or dtype in SIXTEEN_BIT
 
 
 def check_data_parallel(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
@@ -55,6 +62,10 @@ def check_data_parallel(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dt
     """Refuse, before any rank starts, what the data-parallel path does not run (ValueError)."""
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    check_moe_grid(pcfg, mcfg)
+    if mcfg.n_experts and (schedule is not None or zero == 3):
+        raise ValueError("experts are verified without a pipeline and without ZeRO-3: use --pp 1 "
+                         "and --zero 0, 1 or 2 with --experts")
     if not uses_engine(pcfg, zero, dtype):
         return
     refusals = [
@@ -99,7 +110,7 @@ def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.f
     x = ref.embed(tokens)
     x.retain_grad()
     logits = ref.run_layers(x) @ ref.output_weight().t()
-    loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets.flatten())
+    loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets.flatten()) + ref.moe_loss()
     (loss * loss_scale).backward()
     return x, logits, loss
 
@@ -150,18 +161,39 @@ def _step(model, schedule, planted: Plant, tokens, targets, step_seed: int, engi
 def data_parallel_step(model, schedule, planted: Plant, tokens, targets, step_seed: int, engine,
                        loss_scale: float):
     """This rank's rows through _step, then the whole batch's (logits, loss, dL/dX) on every
-    rank: rows gathered over dp; each rank's loss is the mean over its own rows, so the batch's
-    is their mean and its dL/dX each rank's divided by dp."""
+    rank: rows gathered over the replicas, dp x ep (= dense_dp: cp is 1 here); each rank's loss
+    is the mean over its own rows, so the batch's is their mean and its dL/dX each rank's
+    divided by their number."""
     grid = model.grid
     rows = local_rows(tokens.shape[0], grid)
     logits, loss, dx = _step(model, schedule, planted, tokens[rows], targets[rows], step_seed,
                              engine, loss_scale, rows.start)
-    n = grid.dp.size
+    replicas = grid.dense_dp
+    n = replicas.size
     if n == 1:
         return logits, loss, dx
-    return (comm.all_gather(logits.contiguous(), grid.dp, dim=0),
-            comm.all_reduce(loss.detach().clone(), grid.dp) / n,
-            comm.all_gather(dx.contiguous(), grid.dp, dim=0) / n)
+    return (comm.all_gather(logits.contiguous(), replicas, dim=0),
+            comm.all_reduce(loss.detach().clone(), replicas) / n,
+            comm.all_gather(dx.contiguous(), replicas, dim=0) / n)
+
+
+def _gather_kept(layer, grid, batch: int) -> torch.Tensor:
+    """An MoE layer's kept (token, choice) pairs of the whole batch, [b, s, k] (collective)."""
+    keep = layer.routing.keep.view(batch // grid.dense_dp.size, -1, layer.cfg.topk).to(torch.uint8)
+    if grid.sequence_parallel:
+        keep = comm.all_gather(keep, grid.tp, dim=1)
+    return comm.all_gather(keep, grid.dense_dp, dim=0).bool()
+
+
+def drop_rows(step: int, kept: list[torch.Tensor], ref, shape) -> list[Row]:
+    """One row: the pairs a capacity factor dropped must be the reference's, pair for pair."""
+    if not kept:
+        return []
+    ref_kept = [m.routing.keep.view(*shape, -1) for m in ref.moe_layers()]
+    differ = sum(int((a != b).sum()) for a, b in zip(kept, ref_kept))
+    dropped = sum(int((~b).sum()) for b in ref_kept)
+    detail = f"{differ} (token, expert) pairs kept on one side and dropped on the other" if differ else ""
+    return [Row(step, f"moe drops ({dropped} pairs in the reference)", float(differ), 0.0, detail)]
 
 
 class _OwnOptimizer:
@@ -238,6 +270,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     else:
         model = PipelineGPT.from_reference(ref, grid, placement)
     tied_across_stages = getattr(model, "tied_across_ranks", False)
+    planted.install(model)
     ref.to(grid.device)   # masks are drawn on the tensors' device: the same stream as the ranks'
     if uses_engine(pcfg, zero, dtype):
         side = _Engine(model, grid, zero, lr, eps, planted)
@@ -263,10 +296,13 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         grads = gather_state_dict(local_grads, mcfg, grid, placement)
         grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid, tied_across_stages,
                                      over_dp=not side.sharded_grads)
+        moe = model.moe_layers() if hasattr(model, "moe_layers") else []
+        kept = [_gather_kept(m, grid, tokens.shape[0]) for m in moe]
         if lead:
             ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed, loss_scale=scale)
             rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (loss, ref_loss),
                                     "dL/dX": (dx, ref_x.grad)}, tol)
+            rows += drop_rows(step, kept, ref, tokens.shape)
             rows += grad_rows(step, grads, grads_state_dict(ref), tol) + grad_replicas
         # Both optimizers step on the reference's gradients: the step is checked on its own.
         ref_grads = _from_rank0({n: p.grad if lead else torch.empty_like(p)

@@ -10,6 +10,11 @@ parts are a fused layout: attention.qkv = [q_r; k_r; v_r] and, for SwiGLU,
 mlp.fc1 = [gate_r; up_r]. Gathering inverts it: all-gather along dim, cut each rank's block
 back into its parts, and concatenate each part's pieces in rank order.
 
+Expert weights (a mixture-of-experts block, minitron/moe/) are stacked [E, ...]; their rules
+say `experts=True`: expert parallelism first cuts dim 0 (expert e on ep rank e // (E/ep)),
+then tp splits inside each expert along `dim` as for the dense MLP. Gathering undoes it: the tp
+all-gather, then one all-gather over ep along dim 0.
+
 Rules for the blocks are built per layer (`layer_rules(i, ...)`), so a pipeline stage asks for
 the rules of its own layers only (`stage_rules`), and gathering works across stages too.
 """
@@ -21,6 +26,7 @@ import torch
 
 from .. import comm
 from ..grid import Grid
+from ..moe.experts import TP_DIM as EXPERT_TP_DIM
 from .config import ModelConfig
 from .reference import Block, Embedding, make_norm
 
@@ -31,6 +37,7 @@ class Rule:
     parts: tuple[str, ...]         # keys in the reference GPT's state dict
     dim: int | None                # split dimension; None = replicated on every tp rank
     sizes: tuple[int, ...] = ()    # fused parts only: each part's full size along dim
+    experts: bool = False          # stacked expert tensor: dim 0 split across ep first
 
 
 def _linear(cfg: ModelConfig, name: str, parts: tuple[str, ...], dim: int,
@@ -49,21 +56,33 @@ def _norm(cfg: ModelConfig, name: str) -> list[Rule]:
     return [Rule(f"{name}.{k}", (f"{name}.{k}",), None) for k in keys]
 
 
+def _moe(cfg: ModelConfig, mlp: str) -> list[Rule]:
+    """A mixture of experts: the router replicated, every expert tensor split over ep and tp."""
+    keys = [k for k in EXPERT_TP_DIM if cfg.activation == "swiglu" or not k.startswith("gate")]
+    keys = [k for k in keys if cfg.bias or not k.endswith("bias")]
+    return [Rule(f"{mlp}.router.weight", (f"{mlp}.router.weight",), None),
+            *(Rule(f"{mlp}.experts.{k}", (f"{mlp}.experts.{k}",), EXPERT_TP_DIM[k], experts=True)
+              for k in keys)]
+
+
 def layer_rules(i: int, cfg: ModelConfig) -> list[Rule]:
     """The rules of block i (same index on both sides)."""
     pre = f"layers.{i}"
     att, mlp = f"{pre}.attention", f"{pre}.mlp"
     q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    if cfg.activation == "swiglu":
-        fc1 = _linear(cfg, f"{mlp}.fc1", (f"{mlp}.gate", f"{mlp}.fc1"), 0, (cfg.ffn, cfg.ffn))
+    if cfg.is_moe_layer(i):
+        mlp_rules = _moe(cfg, mlp)
+    elif cfg.activation == "swiglu":
+        mlp_rules = [*_linear(cfg, f"{mlp}.fc1", (f"{mlp}.gate", f"{mlp}.fc1"), 0, (cfg.ffn, cfg.ffn)),
+                     *_linear(cfg, f"{mlp}.fc2", (f"{mlp}.fc2",), 1)]
     else:
-        fc1 = _linear(cfg, f"{mlp}.fc1", (f"{mlp}.fc1",), 0)
+        mlp_rules = [*_linear(cfg, f"{mlp}.fc1", (f"{mlp}.fc1",), 0),
+                     *_linear(cfg, f"{mlp}.fc2", (f"{mlp}.fc2",), 1)]
     return [*_norm(cfg, f"{pre}.attn_norm"),
             *_linear(cfg, f"{att}.qkv", (f"{att}.q", f"{att}.k", f"{att}.v"), 0, (q, kv, kv)),
             *_linear(cfg, f"{att}.out", (f"{att}.out",), 1),
             *_norm(cfg, f"{pre}.mlp_norm"),
-            *fc1,
-            *_linear(cfg, f"{mlp}.fc2", (f"{mlp}.fc2",), 1)]
+            *mlp_rules]
 
 
 def stage_layers(cfg: ModelConfig, stage: int, n_stages: int) -> range:
@@ -117,20 +136,29 @@ def shard_state_dict(full_sd: dict, cfg: ModelConfig, grid: Grid, placement=None
     tp, r = grid.tp.size, grid.tp.rank
     local = {}
     for rule in _my_rules(cfg, grid, placement):
+        parts = [full_sd[p] for p in rule.parts]
+        if rule.experts:                        # this ep rank's experts
+            parts = [t.chunk(grid.ep.size, 0)[grid.ep.rank] for t in parts]
         if rule.dim is None:
-            local[rule.name] = full_sd[rule.parts[0]].clone()
+            local[rule.name] = parts[0].clone()
         else:
-            local[rule.name] = torch.cat([full_sd[p].chunk(tp, rule.dim)[r] for p in rule.parts],
-                                         rule.dim).clone()
+            local[rule.name] = torch.cat([t.chunk(tp, rule.dim)[r] for t in parts], rule.dim).clone()
     return local
 
 
 def _gather_tp(local_sd: dict, rule_list: list[Rule], grid: Grid) -> dict:
-    """Reference-layout tensors of `rule_list`, from this tp group's shards (collective over tp)."""
+    """Reference-layout tensors of `rule_list`, from this tp group's shards (collective over tp,
+    and over ep for expert tensors)."""
     tp = grid.tp.size
     full = {}
     for rule in rule_list:
         t = local_sd[rule.name]
+        if rule.experts:                         # tp pieces, then the ep ranks' experts
+            if rule.dim is not None:
+                t = comm.all_gather(t.contiguous(), grid.tp, dim=rule.dim)
+            # clone: with ep = tp = 1 the gather returns the live tensor itself
+            full[rule.parts[0]] = comm.all_gather(t.contiguous(), grid.ep, dim=0).clone()
+            continue
         if rule.dim is None:
             full[rule.parts[0]] = t.clone()
             continue
@@ -178,8 +206,10 @@ def reference_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """The reference GPT's parameter shapes, from modules built on the meta device (no memory)."""
     with torch.device("meta"):
         shapes = {f"embedding.{k}": v.shape for k, v in Embedding(cfg).state_dict().items()}
-        block = {k: v.shape for k, v in Block(cfg).state_dict().items()}
-        shapes.update({f"layers.{i}.{k}": v for i in range(cfg.n_layers) for k, v in block.items()})
+        blocks = {moe: {k: v.shape for k, v in Block(cfg, moe).state_dict().items()}
+                  for moe in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)}}
+        shapes.update({f"layers.{i}.{k}": v for i in range(cfg.n_layers)
+                       for k, v in blocks[cfg.is_moe_layer(i)].items()})
         shapes.update({f"final_norm.{k}": v.shape for k, v in make_norm(cfg).state_dict().items()})
         if not cfg.tie_embeddings:
             shapes["lm_head.weight"] = torch.Size([cfg.vocab_size, cfg.hidden])

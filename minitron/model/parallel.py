@@ -38,6 +38,10 @@ other cp ranks' keys and values by ParallelConfig.cp_variant (ring, allgather or
 every other layer is per token and runs unchanged. Learned and rotary positions, and every
 dropout mask, follow the tokens' global positions (`_Ctx.positions`). Each rank's loss is the
 mean over its own tokens, so finalize_grads averages every gradient over cp.
+
+With ModelConfig.n_experts > 0 the MLP of every moe_every-th block is a ParallelMoE
+(minitron/moe/layer.py): its experts spread over the ep group, its tokens dispatched over
+tp_ep, its auxiliary losses added by `loss`.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ from ..context_parallel import positions as cp_positions
 from ..context_parallel.grads import average_grads_over_cp
 from ..grid import Grid, validate_model
 from ..kernels import ops   # imports no triton until a kernel first runs
+from ..moe.layer import ParallelMoE, check_moe_grid
 from ..recompute import checkpoint
 from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                              vocab_parallel_cross_entropy)
@@ -76,7 +81,7 @@ class _Ctx:
     """What every block needs to know about its place on the grid (not a module)."""
 
     def __init__(self, cfg: ModelConfig, grid: Grid):
-        self.cfg, self.group = cfg, grid.tp
+        self.cfg, self.group, self.grid = cfg, grid.tp, grid
         self.tp, self.tp_rank = grid.tp.size, grid.tp.rank
         self.sp = grid.sequence_parallel
         self.cp_group, self.cp, self.cp_rank = grid.cp, grid.cp.size, grid.cp.rank
@@ -188,13 +193,13 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
+    def __init__(self, cfg: ModelConfig, ctx: _Ctx, moe: bool = False):
         super().__init__()
         self.ctx = ctx
         self.attn_norm = make_model_norm(cfg)
         self.attention = ParallelAttention(cfg, ctx)
         self.mlp_norm = make_model_norm(cfg)
-        self.mlp = ParallelMLP(cfg, ctx)
+        self.mlp = ParallelMoE(cfg, ctx.grid) if moe else ParallelMLP(cfg, ctx)
         _mark_sequence_parallel(self.attn_norm, ctx.sp)
         _mark_sequence_parallel(self.mlp_norm, ctx.sp)
 
@@ -247,12 +252,14 @@ class ParallelGPT(nn.Module):
     def __init__(self, cfg: ModelConfig, grid: Grid, seed: int = 0):
         super().__init__()
         validate_model(grid.config, cfg)
+        check_moe_grid(grid.config, cfg)
         if cfg.use_kernels:
             check_kernels(cfg, grid.device)
         self.cfg, self.grid = cfg, grid
         self.ctx = ctx = _Ctx(cfg, grid)
         self.embedding = ParallelEmbedding(cfg, ctx)
-        self.layers = nn.ModuleList(ParallelBlock(cfg, ctx) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(ParallelBlock(cfg, ctx, cfg.is_moe_layer(i))
+                                    for i in range(cfg.n_layers))
         self.final_norm = make_model_norm(cfg)
         _mark_sequence_parallel(self.final_norm, ctx.sp)
         if not cfg.tie_embeddings:
@@ -305,10 +312,18 @@ class ParallelGPT(nn.Module):
         return F.linear(x, self.output_weight())
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean over all b*s tokens, the same number as the reference's F.cross_entropy."""
+        """Mean over all b*s tokens, the same number as the reference's F.cross_entropy, plus
+        the MoE layers' auxiliary losses (this rank's terms: see minitron/moe/layer.py)."""
         _check_ids(targets, self.cfg.vocab_size, "target")
         ce = fused_vocab_parallel_cross_entropy if self.cfg.use_kernels else vocab_parallel_cross_entropy
-        return ce(logits, targets, self.ctx.group).mean()
+        return ce(logits, targets, self.ctx.group).mean() + self.moe_loss()
+
+    def moe_layers(self) -> list[ParallelMoE]:
+        return [m for m in self.modules() if isinstance(m, ParallelMoE)]   # PipelineGPT's too
+
+    def moe_loss(self) -> torch.Tensor | float:
+        """The routers' auxiliary losses of the last forward (0.0 without experts)."""
+        return sum((m.aux_loss for m in self.moe_layers()), 0.0)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         logits = self.output_layer(self.run_layers(self.embed(tokens)))
