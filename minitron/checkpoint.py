@@ -136,7 +136,8 @@ def _local_to_state(engine, local: dict, flat: torch.Tensor) -> None:
         flat[j:j + n].copy_(local[engine.names[p]].reshape(-1)[i:i + n])
 
 
-def _local_weights(model, engine) -> dict:
+def local_weights(model, engine=None) -> dict:
+    """{name: whole tp-local weight} of this rank (ZeRO-3: gathered over dp, collective)."""
     if engine is not None and hasattr(engine, "param_pieces"):     # ZeRO-3: gather the shards
         return gathered_params(engine)
     return {n: p.detach() for n, p in model.named_parameters()}
@@ -231,7 +232,7 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
             shutil.rmtree(partial)        # left by a save that died
         os.makedirs(partial)
     comm.barrier(_world(grid))
-    placed = placements(_local_weights(model, engine), model, "model/")
+    placed = placements(local_weights(model, engine), model, "model/")
     if optimizer is not None:
         for kind, flat in _optimizer_flats(optimizer):
             placed.update(placements(_state_to_local(engine, flat), model, f"optimizer/{kind}/"))
@@ -240,8 +241,8 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
     _die_if_planted("written", grid.rank)
     comm.barrier(_world(grid))
     if grid.rank == 0:
-        files = {f: {"bytes": os.path.getsize(os.path.join(partial, f)), "sha256": _sha256(os.path.join(partial, f))}
-                 for f in sorted(os.listdir(partial))}
+        paths = {f: os.path.join(partial, f) for f in sorted(os.listdir(partial))}
+        files = {f: {"bytes": os.path.getsize(p), "sha256": _sha256(p)} for f, p in paths.items()}
         manifest = {"format": FORMAT, "model": dataclasses.asdict(model.cfg),
                     "parallel": dataclasses.asdict(grid.config), "step": step,
                     "dropout_seed": model.rng.seed, "dtype": str(next(model.parameters()).dtype),
@@ -330,7 +331,7 @@ def load(path: str, model, engine=None, optimizer=None) -> dict:
     if optimizer is not None and manifest["optimizer_step"] is None:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: saved without optimizer state; "
                               "load the weights only (optimizer=None)")
-    weights = {n: torch.empty_like(t) for n, t in _local_weights(model, engine).items()}
+    weights = {n: torch.empty_like(t) for n, t in local_weights(model, engine).items()}
     wanted = placements(weights, model, "model/")
     states, masters = {}, None
     if optimizer is not None:

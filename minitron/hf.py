@@ -177,9 +177,9 @@ def export_model(model, hf_model_or_config, engine=None):
     PipelineGPT rank: then collective, gathered across tp and pp; ZeRO-3: pass its engine)."""
     cfg = model.cfg
     if hasattr(model, "grid"):
-        from .checkpoint import _local_weights
+        from .checkpoint import local_weights
         from .model.convert import gather_state_dict
-        ref_sd = gather_state_dict(dict(_local_weights(model, engine)), cfg, model.grid,
+        ref_sd = gather_state_dict(dict(local_weights(model, engine)), cfg, model.grid,
                                    getattr(model, "placement", None))
     else:
         ref_sd = model.state_dict()

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from . import checkpoint, comm, data, flops
+from . import checkpoint, data, flops
 from .grid import ParallelConfig
 from .launch import RankError, launch
 from .model.config import ModelConfig
@@ -84,7 +84,8 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
     if args.batch % (args.dp * args.microbatches):
         raise UsageError(f"--batch {args.batch} must split into dp={args.dp} replicas of "
-                         f"{args.microbatches} micro-batches: use a multiple of {args.dp * args.microbatches}")
+                         f"{args.microbatches} micro-batches: use a multiple of "
+                         f"{args.dp * args.microbatches}")
     try:
         os.makedirs(args.out, exist_ok=True)
         probe = os.path.join(args.out, ".write-test")
@@ -104,7 +105,8 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
     lead = run.grid.rank == 0
     tokens = np.memmap(os.path.join(args.out, "corpus.bin"), dtype=np.uint8, mode="r")  # main() made it
     train, val = data.split(tokens)
-    loader, held_out = data.Loader(train, args.batch, args.seq, args.seed), data.Loader(val, args.batch, args.seq, args.seed + 1)
+    loader = data.Loader(train, args.batch, args.seq, args.seed)
+    held_out = data.Loader(val, args.batch, args.seq, args.seed + 1)
     start = 0
     if args.resume:
         start = checkpoint.load(args.resume, run.model, run.engine, run.optimizer)["step"]
@@ -145,7 +147,7 @@ def _point_latest(folder: str, path: str) -> None:
 
 def _sample(run: TrainingRun, mcfg: ModelConfig, args) -> str | None:
     """Gather the weights into a single-device GPT on rank 0 and let it write (collective)."""
-    local = checkpoint._local_weights(run.model, run.engine)
+    local = checkpoint.local_weights(run.model, run.engine)
     full = gather_state_dict({k: v.float() for k, v in local.items()}, mcfg, run.grid,
                              getattr(run.model, "placement", None))
     if run.grid.rank != 0:

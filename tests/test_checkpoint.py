@@ -45,16 +45,17 @@ def load_and_step(grid_kw, zero, path, seed=7):
     return before, run.evaluate(*batch(0)), run.step(*batch(step), step), manifest["extra"]
 
 
-SAVED = [(dict(tp=2, pp=2), 0), (dict(dp=2, pp=2), 2)]
-LOADED = [(dict(pp=4), 0), (dict(tp=2, dp=2), 3), (dict(tp=4), 1), (dict(dp=4), 1)]
+# (saved at grid, ZeRO stage) -> loaded at [(grid, ZeRO stage), ...]
+RESHARD = [((dict(tp=2, pp=2), 0), [(dict(pp=4), 0), (dict(tp=2, dp=2), 3)]),
+           ((dict(dp=2, pp=2), 2), [(dict(tp=4), 1), (dict(dp=4), 1)])]
 
 
-@pytest.mark.parametrize("saved", SAVED, ids=["tp2pp2", "dp2pp2-zero2"])
-def test_load_on_another_grid_gives_the_same_next_loss(run_ranks, tmp_path, saved):
+@pytest.mark.parametrize("saved, loads", RESHARD, ids=["tp2pp2", "dp2pp2-zero2"])
+def test_load_on_another_grid_gives_the_same_next_loss(run_ranks, tmp_path, saved, loads):
     path = str(tmp_path / "ckpt")
     losses, next_loss = run_ranks(train_and_save, *saved, path, 2, world_size=4)[0]
     assert losses[1] < losses[0]
-    for grid_kw, zero in LOADED:
+    for grid_kw, zero in loads:
         out = run_ranks(load_and_step, grid_kw, zero, path, world_size=4)
         before, after, loss, extra = out[0]
         assert all(o[2] == loss for o in out)                       # every rank agrees

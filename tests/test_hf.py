@@ -30,7 +30,8 @@ def test_name_maps_round_trip(family, cfg):
     assert all(torch.equal(back[k], ref[k]) for k in ref)
     if family == "gpt2":     # Conv1D: [in, out]; c_attn = [q | k | v]
         assert out["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
-        assert torch.equal(out["transformer.h.0.attn.c_attn.weight"][:, 32:64], ref["layers.0.attention.k.weight"].t())
+        k = out["transformer.h.0.attn.c_attn.weight"][:, 32:64]
+        assert torch.equal(k, ref["layers.0.attention.k.weight"].t())
     with pytest.raises(ValueError, match="lacks"):
         hf.import_state_dict({}, cfg, family)
 
