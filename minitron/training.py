@@ -72,6 +72,7 @@ class TrainingRun:
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, step: int) -> float:
         """Forward, backward and update on the global batch; returns its mean loss (every rank)."""
         model, engine, grid = self.model, self.engine, self.grid
+        tokens, targets = tokens.to(grid.device), targets.to(grid.device)
         engine.zero_grad()
         if self.schedule is None:
             loss = forward_backward(model, engine, tokens, targets, micro_batches=self.microbatches,
@@ -102,7 +103,7 @@ class TrainingRun:
         evaluation is rare)."""
         model, grid = self.model, self.grid
         rows = local_rows(tokens.shape[0], grid)
-        tokens, targets = tokens[rows], targets[rows]
+        tokens, targets = tokens[rows].to(grid.device), targets[rows].to(grid.device)
         model.eval()
         try:
             if self.schedule is None:

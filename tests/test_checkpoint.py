@@ -133,3 +133,27 @@ def test_bad_checkpoints_fail_naming_the_file(run_ranks, tmp_path):
     os.remove(os.path.join(path, shard))
     msg, unchanged = run_ranks(load_expecting_error, path, MCFG, world_size=2)[0]
     assert shard in msg and "missing" in msg and unchanged
+
+
+def load_with_swapped_tp_pieces(path):
+    """A planted placement bug: tp rank r reads rank (tp-1-r)'s piece of every split tensor."""
+    right = checkpoint.placements
+
+    def swapped(local, model, prefix):
+        tp, out = model.grid.tp.size, {}
+        for fqn, (t, shape, off) in right(local, model, prefix).items():
+            off = [(tp - 1 - o // n) * n if n != full else o for o, n, full in zip(off, t.shape, shape)]
+            out[fqn] = (t, shape, tuple(off))
+        return out
+    checkpoint.placements = swapped
+    try:
+        return load_and_step(dict(tp=2), 0, path)
+    finally:
+        checkpoint.placements = right
+
+
+def test_a_wrong_placement_is_caught(run_ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    _, next_loss = run_ranks(train_and_save, dict(tp=2), 0, path, 2, world_size=2)[0]
+    loss = run_ranks(load_with_swapped_tp_pieces, path, world_size=2)[0][2]
+    assert abs(loss - next_loss) > 100 * TOL * abs(next_loss)
