@@ -117,17 +117,35 @@ class Accumulator:
 
 
 def block_pairs(q_chunks, k_chunks, c: int, causal: bool):
-    """(query rows, key columns, causal?) of every block with work, in local index slices:
-    query chunk a against key chunk b is whole when a > b, diagonal when a == b, empty when
-    a < b. Without a causal mask, one block: all queries against all keys."""
+    """(query rows, key columns, causal?) of every block with work, in local index slices.
+
+    Query chunk a sees key chunk b whole when a > b, through the causal diagonal when a == b,
+    not at all when a < b. Pairs are coalesced so that a ring step is one block: a rank's own
+    (increasing) chunks against themselves are exactly one causal mask over the concatenation
+    (the early chunk never sees the late one, the late one sees all of the early one); against
+    another rank's chunks every pair is whole or empty, and the whole ones form one rectangle
+    (zigzag: all queries against the early chunk, or the late queries against all keys)."""
+    rows, cols = slice(0, c * len(q_chunks)), slice(0, c * len(k_chunks))
     if not causal:
-        return [(slice(0, c * len(q_chunks)), slice(0, c * len(k_chunks)), False)]
-    pairs = []
+        return [(rows, cols, False)]
+    if list(q_chunks) == list(k_chunks) == sorted(k_chunks):
+        return [(rows, cols, True)]
+    blocks = []
     for i, a in enumerate(q_chunks):
-        for j, b in enumerate(k_chunks):
-            if a >= b:
-                pairs.append((slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), a == b))
-    return pairs
+        seen = [j for j, b in enumerate(k_chunks) if a >= b]
+        for j in seen:
+            diag = a == k_chunks[j]
+            span = (j, j + 1)
+            if not diag and blocks and not blocks[-1][2] and blocks[-1][0] == (i, i + 1) \
+                    and blocks[-1][1][1] == j:
+                span = (blocks.pop()[1][0], j + 1)                # extend along the keys
+            blocks.append(((i, i + 1), span, diag))
+    merged = []
+    for r, k, diag in blocks:                                     # then along the queries
+        if merged and not diag and not merged[-1][2] and merged[-1][1] == k and merged[-1][0][1] == r[0]:
+            r = (merged.pop()[0][0], r[1])
+        merged.append((r, k, diag))
+    return [(slice(r[0] * c, r[1] * c), slice(k[0] * c, k[1] * c), diag) for r, k, diag in merged]
 
 
 class BlockMath:
