@@ -225,6 +225,9 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
     """Every rank calls it (collective). `engine`/`optimizer`: data_parallel.wrap's pair, or None.
     `extra` (JSON-able, rank 0's is kept): e.g. the data position and the loss scaler's state."""
     grid = model.grid
+    if optimizer is not None and engine is None:
+        raise ValueError("checkpoint.save: the optimizer's state is sharded by its engine; pass "
+                         "engine= too (data_parallel.wrap returns both)")
     path = os.path.abspath(path)
     partial = path + ".partial"
     if grid.rank == 0:
@@ -328,6 +331,8 @@ def load(path: str, model, engine=None, optimizer=None) -> dict:
     path = os.path.abspath(path)
     manifest = read_manifest(path)
     check_compatible(manifest, model.cfg, path)
+    if optimizer is not None and engine is None:
+        raise ValueError("checkpoint.load: pass the optimizer's engine= too")
     if optimizer is not None and manifest["optimizer_step"] is None:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)}: saved without optimizer state; "
                               "load the weights only (optimizer=None)")
@@ -350,6 +355,7 @@ def load(path: str, model, engine=None, optimizer=None) -> dict:
     _dcp_read(path, wanted)
     # Every check passed and every byte is read: only now change the model and optimizer.
     _write_weights(model, engine, weights)
+    model.rng.seed = manifest["dropout_seed"]   # masks are keyed by (seed, step, layer, row)
     if optimizer is not None:
         for kind, flat in _optimizer_flats(optimizer):
             _local_to_state(engine, masters if kind == "master" else states[kind], flat)
