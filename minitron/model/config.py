@@ -91,6 +91,10 @@ class ModelConfig:
         for field in ("aux_loss_coeff", "z_loss_coeff"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"ModelConfig.{field} must be >= 0, got {getattr(self, field)!r}")
+        if self.recompute == "full":
+            raise ValueError("recompute='full' reruns each block under a checkpoint whose first "
+                             "forward keeps no graph, so the routers' auxiliary losses would get "
+                             "no gradient: use recompute='selective' or 'none' with experts")
         if self.topk == 1 and not self.router_pre_softmax and self.aux_loss_coeff == 0 \
                 and self.z_loss_coeff == 0:
             raise ValueError("topk=1 with router_pre_softmax=False gives every token the gate "
