@@ -40,6 +40,9 @@ def test_a_short_run_and_its_resume(tmp_path, capfd):
     (["--out", "/proc/minitron-cannot-write"], "cannot write"),
     (["--resume", "/nonexistent/ckpt"], "no such checkpoint"),
     (["--cp", "2"], "unrecognized"),
+    (["--schedule", "1f1b"], "needs a pipeline"),
+    (["--pp", "2", "--schedule", "nope"], "unknown schedule"),
+    (["--zero", "3", "--dp", "2", "--batch", "3"], "--batch 3"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capfd, argv, message):
     if "--out" not in argv:
