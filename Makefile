@@ -59,6 +59,12 @@ verify-all: setup
 	$(BIN)/python -m minitron.verify --ep 2 --tp 2 --sp --experts 4 --steps 3
 	$(BIN)/python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0 --steps 3
 	$(BIN)/python -m minitron.verify --ep 2 --dp 2 --experts 4 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 4 --steps 3
+	$(BIN)/python -m minitron.verify --tp 2 --sp --cp 2 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --cp-variant ulysses --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --cp-variant allgather --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --dp 2 --steps 3
 
 bench: setup
 	$(BIN)/python -m minitron.bench overhead

@@ -62,6 +62,13 @@ dense layers, so they run through the data-parallel engine on their own rows (dp
 them): dense gradients averaged over dense_dp, expert gradients summed over dp_cp. The loss
 includes the routers' auxiliary losses on both sides; a `moe drops` row per step checks that a
 capacity factor dropped exactly the reference's (token, expert) pairs.
+
+`--cp C` cuts every sequence of the batch into 2C chunks and gives cp rank r chunks r and
+2C-1-r (zigzag: equal causal work, minitron/context_parallel); attention reaches the other
+ranks' keys and values by `--cp-variant` (ring, allgather, ulysses). A rank's loss is the mean
+over its tokens, so the loss is averaged over cp, logits and dL/dX are gathered back in token
+order (dL/dX divided by C), and gradients are averaged over cp (finalize_grads; with --dp the
+engine's average over dense_dp = dp x cp). Not yet with --pp, --ep or 16-bit dtypes.
 """
 from __future__ import annotations
 
@@ -198,6 +205,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 2 --sp --kernels      fused Triton kernels and FusedAdamW
   python -m minitron.verify --tp 1 --cp 2              ring attention over 2 ranks (zigzag chunks)
   python -m minitron.verify --tp 2 --sp --cp 2 --cp-variant ulysses
+  python -m minitron.verify --tp 1 --cp 2 --dp 2 --zero 1   context and data parallelism with ZeRO-1
   python -m minitron.verify --tp 1 --pp 2 --schedule zb-h1 --microbatches 4
   python -m minitron.verify --tp 2 --sp --pp 2 --schedule 1f1b --microbatches 4
   python -m minitron.verify --tp 1 --pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8

@@ -71,8 +71,9 @@ def check_data_parallel(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dt
     refusals = [
         (dtype == torch.float64, "data parallelism and ZeRO step float32 master weights "
                                  "(ZeroOptimizer): verify them in float32, bfloat16 or float16"),
-        (pcfg.cp > 1, "data parallelism (and 16-bit runs, which use its engine) is not combined "
-                      "with context parallelism in verify yet: use --cp with --dp 1 in float32"),
+        (pcfg.cp > 1 and (pcfg.ep > 1 or dtype in SIXTEEN_BIT),
+         "context parallelism is verified with data parallelism and ZeRO in float32, without "
+         "expert parallelism: use --cp with --ep 1 and --dtype float32"),
         (zero == 3 and schedule is not None, "ZeRO-3 inside pipeline stages is not built: use "
                                              "--zero 0, 1 or 2 with --pp"),
         (zero == 3 and mcfg.tie_embeddings, "ZeRO-3 gathers the embedding for its own forward only, "
@@ -161,14 +162,20 @@ def _step(model, schedule, planted: Plant, tokens, targets, step_seed: int, engi
 def data_parallel_step(model, schedule, planted: Plant, tokens, targets, step_seed: int, engine,
                        loss_scale: float):
     """This rank's rows through _step, then the whole batch's (logits, loss, dL/dX) on every
-    rank: rows gathered over the replicas, dp x ep (= dense_dp: cp is 1 here); each rank's loss
+    rank: rows gathered over the replicas, dp x ep (= dense_dp when cp is 1); each rank's loss
     is the mean over its own rows, so the batch's is their mean and its dL/dX each rank's
-    divided by their number."""
+    divided by their number. Under context parallelism (ep = 1) the cp ranks of a replica share
+    its rows and split their sequences: rows go over dp, and _step has already gathered over cp
+    (the engine still averages gradients over dense_dp = dp x cp: every rank saw other tokens)."""
     grid = model.grid
-    rows = local_rows(tokens.shape[0], grid)
+    if grid.cp.size > 1:
+        b = tokens.shape[0] // grid.dp.size
+        rows = slice(grid.dp.rank * b, (grid.dp.rank + 1) * b)
+    else:
+        rows = local_rows(tokens.shape[0], grid)
     logits, loss, dx = _step(model, schedule, planted, tokens[rows], targets[rows], step_seed,
                              engine, loss_scale, rows.start)
-    replicas = grid.dense_dp
+    replicas = grid.dp if grid.cp.size > 1 else grid.dense_dp
     n = replicas.size
     if n == 1:
         return logits, loss, dx

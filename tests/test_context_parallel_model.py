@@ -26,6 +26,8 @@ CASES = {
     "cp2-ulysses": (1, 2, False, "ulysses", {}),
     "tp2-sp-cp2-ulysses-llama": (2, 2, True, "ulysses", dict(LLAMA, n_kv_heads=4)),
 }
+# with data parallelism: (dp, ZeRO stage); the engine averages gradients over dense_dp = dp x cp
+DP_CASES = {"cp2-dp2-ring": (2, 0), "cp2-dp2-zero3-ring": (2, 3)}
 
 
 def _report(run_ranks, name, plant=None, steps=2):
@@ -39,6 +41,18 @@ def _report(run_ranks, name, plant=None, steps=2):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_context_parallel_model_matches_reference(run_ranks, name):
     report = _report(run_ranks, name)
+    assert report.passed, report.verdict() + "\n" + report.table()
+
+
+@pytest.mark.parametrize("name", sorted(DP_CASES))
+def test_context_parallel_with_data_parallel_matches_reference(run_ranks, name):
+    """The batch's rows split over dp, each row's sequence over cp: rows gathered back over dp
+    after the sequence over cp; the gradients averaged once, over dense_dp."""
+    dp, zero = DP_CASES[name]
+    pcfg = ParallelConfig(cp=2, dp=dp)
+    rows = run_ranks(run_rank, pcfg, ModelConfig(**BASE), 2, batch=2 * dp, zero=zero,
+                     world_size=pcfg.world_size)[0]
+    report = Report(rows)
     assert report.passed, report.verdict() + "\n" + report.table()
 
 

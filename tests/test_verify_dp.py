@@ -78,7 +78,8 @@ def test_data_parallel_plants_fail(run_ranks, name, plant, caught):
     (["--dp", "2", "--zero", "3", "--pp", "2"], "ZeRO-3 inside pipeline stages is not built"),
     (["--dp", "2", "--zero", "3", "--tie"], "drop --tie"),
     (["--dtype", "float16", "--pp", "2"], "use --dtype bfloat16 with --pp"),
-    (["--dp", "2", "--cp", "2"], "not combined with context parallelism"),
+    (["--dp", "2", "--cp", "2", "--dtype", "bfloat16"], "context parallelism is verified with data "
+                                                         "parallelism and ZeRO in float32"),
 ])
 def test_bad_data_parallel_options_exit_2(capsys, argv, message):
     assert verify.main(["--tp", "1", *argv]) == 2
