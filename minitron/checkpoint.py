@@ -5,8 +5,9 @@ A rank holds pieces of the reference GPT's tensors: rank r of tp holds chunk r o
 ZeRO a data-parallel rank only 1/dp of the optimizer state. The rules of model/convert.py say
 exactly which piece: for every reference tensor, a rank describes its piece by a *placement*,
 (global shape, offsets of its slice). torch.distributed.checkpoint (DCP) is the storage and
-resharding engine: each rank writes its pieces (a piece several ranks hold, a replicated norm
-or a dp replica's copy, is written once, DCP's dedup), DCP's metadata records every piece's
+resharding engine (checkpoint_planners.py hands it the placements): each rank writes its
+pieces (a piece several ranks hold, a replicated norm or a dp replica's copy, is written
+once, DCP's dedup), DCP's metadata records every piece's
 placement, and a load at another grid asks for its own placements; DCP reads the overlapping
 parts of whatever pieces were written. So tp=2, pp=2 loads at tp=1, pp=4 or tp=4, dp=2.
 
@@ -39,15 +40,11 @@ import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import comm
 from .data_parallel.checks import gathered_params
 from .model.config import ModelConfig
+from .checkpoint_planners import CheckpointError, PlacedLoadPlanner, PlacedSavePlanner
 from .model.convert import reference_shapes, rules, stage_rules
 
 FORMAT = 1
@@ -56,10 +53,6 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 # Fields that change how a model runs, not what its tensors are: free to differ on load.
 RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels"}
 FAULT_AT: tuple[str, int] | None = None   # tests: (point, rank) where that rank dies mid-save
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here; the message names the file and what is wrong."""
 
 
 # ---- placements: which piece of which reference tensor this rank holds ----------------------
@@ -156,53 +149,6 @@ def _write_weights(model, engine, local: dict) -> None:
         params[name].copy_(t)
 
 
-# ---- DCP planners that take placements instead of DTensors ----------------------------------
-class _PlacedSavePlanner(DefaultSavePlanner):
-    """Writes each piece at its placement (DCP's default planner assumes a whole tensor)."""
-
-    def __init__(self, placed: dict):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.placed = placed
-
-    def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(
-                               chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.shape),
-                               properties=TensorProperties.create_from_tensor(t),
-                               size=torch.Size(shape)))
-                 for fqn, (t, shape, off) in self.placed.items()]
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem):
-        return self.placed[write_item.index.fqn][0].detach().contiguous()
-
-
-class _PlacedLoadPlanner(DefaultLoadPlanner):
-    """Reads, for each wanted placement, the overlapping parts of the saved pieces."""
-
-    def __init__(self, wanted: dict, path: str):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.wanted, self.path = wanted, path
-
-    def create_local_plan(self) -> LoadPlan:
-        saved, requests = self.metadata.state_dict_metadata, []
-        for fqn, (t, shape, off) in self.wanted.items():
-            if fqn not in saved:
-                raise CheckpointError(f"{self.path}: holds no tensor {fqn!r} (saved from another "
-                                      "model, or without optimizer state)")
-            if tuple(saved[fqn].size) != tuple(shape):
-                raise CheckpointError(f"{self.path}: {fqn} has shape {tuple(saved[fqn].size)}, this "
-                                      f"model needs {tuple(shape)}")
-            chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.shape)
-            requests += create_read_items_for_chunk_list(fqn, saved[fqn], [chunk])
-        self.plan = LoadPlan(requests)
-        return self.plan
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.wanted[index.fqn][0]
-
-
 # ---- save ------------------------------------------------------------------------------------
 def _world(grid) -> comm.Group:
     return comm.Group("world", range(grid.world_size))
@@ -239,7 +185,7 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
     if optimizer is not None:
         for kind, flat in _optimizer_flats(optimizer):
             placed.update(placements(_state_to_local(engine, flat), model, f"optimizer/{kind}/"))
-    dcp.save({k: v[0] for k, v in placed.items()}, planner=_PlacedSavePlanner(placed),
+    dcp.save({k: v[0] for k, v in placed.items()}, planner=PlacedSavePlanner(placed),
              storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True))
     _die_if_planted("written", grid.rank)
     comm.barrier(_world(grid))
@@ -316,7 +262,7 @@ def check_compatible(manifest: dict, cfg: ModelConfig, path: str) -> None:
 
 def _dcp_read(path: str, wanted: dict) -> None:
     try:
-        dcp.load({k: v[0] for k, v in wanted.items()}, planner=_PlacedLoadPlanner(wanted, path),
+        dcp.load({k: v[0] for k, v in wanted.items()}, planner=PlacedLoadPlanner(wanted, path),
                  storage_reader=dcp.FileSystemReader(path))
     except CheckpointError:
         raise
