@@ -200,3 +200,16 @@ def test_three_variants_side_by_side(run_ranks):
         print(f"{variant:10} {m['fwd_wire']:11.0f} {m['bwd_wire']:11.0f} {m['saved']:9d} {m['peak']:9d}")
     # the all-gather holds every rank's K/V at once; the ring only two blocks
     assert rows["allgather"]["peak"] > rows["ring"]["peak"]
+
+
+def test_config_validates_the_variant_up_front():
+    from minitron.grid import validate_model
+    from minitron.model import ModelConfig
+    with pytest.raises(ValueError, match="cp_variant='star'.*ring"):
+        ParallelConfig(cp=2, cp_variant="star")
+    gqa = ModelConfig(hidden=32, n_heads=4, n_kv_heads=2, seq_len=16)
+    with pytest.raises(ValueError, match="1 key/value heads"):
+        validate_model(ParallelConfig(tp=2, cp=2, sequence_parallel=True, cp_variant="ulysses"), gqa)
+    validate_model(ParallelConfig(tp=2, cp=2, sequence_parallel=True, cp_variant="ring"), gqa)
+    with pytest.raises(ValueError, match="2\\*cp=8"):
+        validate_model(ParallelConfig(cp=4), ModelConfig(seq_len=12))
