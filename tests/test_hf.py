@@ -91,3 +91,16 @@ def test_sharded_import_and_export(run_ranks, family, cfg):
     for err, exact in run_ranks(sharded_rank, family, cfg, ParallelConfig(tp=2, sequence_parallel=True),
                                 world_size=2):
         assert err < TOL and exact
+
+
+def pipeline_round_trip_rank(family, cfg):
+    model = make_hf(family, cfg)
+    ours = hf.import_model(model, build_grid(ParallelConfig(pp=2)))     # this rank's stage
+    with torch.no_grad():
+        return torch.equal(hf.export_model(ours, model.config)(tokens(cfg)).logits, model(tokens(cfg)).logits)
+
+
+@needs_transformers
+@pytest.mark.parametrize("family, cfg", [("gpt2", GPT2), ("llama", LLAMA)])
+def test_pipeline_stages_export_back_exactly(run_ranks, family, cfg):
+    assert all(run_ranks(pipeline_round_trip_rank, family, cfg, world_size=2))
