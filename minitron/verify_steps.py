@@ -66,6 +66,10 @@ def check_data_parallel(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dt
     if mcfg.n_experts and (schedule is not None or zero == 3):
         raise ValueError("experts are verified without a pipeline and without ZeRO-3: use --pp 1 "
                          "and --zero 0, 1 or 2 with --experts")
+    if mcfg.n_experts and dtype in SIXTEEN_BIT:
+        raise ValueError("a 16-bit router's top-k choice flips on the rounding differences between "
+                         "the two sides (a discontinuity no tolerance covers): verify experts in "
+                         "float32 or float64")
     if not uses_engine(pcfg, zero, dtype):
         return
     refusals = [
