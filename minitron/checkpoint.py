@@ -51,7 +51,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
 # Fields that change how a model runs, not what its tensors are: free to differ on load.
-RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels"}
+RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels", "recompute"}
 FAULT_AT: tuple[str, int] | None = None   # tests: (point, rank) where that rank dies mid-save
 
 
