@@ -19,11 +19,14 @@ away, never read back, so they receive no gradient.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model.config import ModelConfig
+if TYPE_CHECKING:   # a type only: minitron.model imports this package
+    from ..model.config import ModelConfig
 
 
 class StackedLinear(nn.Module):
@@ -76,7 +79,6 @@ class GroupedExperts(nn.Module):
             b = self.fc2.bias[expert]
             y = y + (b if bias_rows is None else b * bias_rows[:, None].to(b.dtype))
         return y
-
 
 
 # How a tensor of GroupedExperts is cut: expert parallelism always splits dim 0 (expert e on

@@ -8,13 +8,17 @@ experts.fc1.weight [E, ffn, h], experts.fc2.weight [E, h, ffn], ... (experts.py)
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model.config import ModelConfig
 from .experts import GroupedExperts
 from .router import Routing, apply_capacity, aux_losses, route, tokens_per_expert
+
+if TYPE_CHECKING:   # a type only: minitron.model imports this package
+    from ..model.config import ModelConfig
 
 
 class MoE(nn.Module):
