@@ -252,3 +252,12 @@ def test_aux_loss_pulls_an_imbalanced_router_toward_balance():
 def test_expert_bias_balances_without_an_aux_loss():
     ratios = _imbalanced_run(0.0, bias_rate=0.05)
     assert sum(ratios[-10:]) / 10 < 0.75 * ratios[0]
+
+
+def test_the_package_imports_on_its_own():
+    """minitron.model imports minitron.moe; importing minitron.moe first must work too."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", "import minitron.moe.experts, minitron.moe"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
