@@ -107,7 +107,7 @@ def test_world_size_mismatch():
      ["sequence length 18", "2*cp=4", "2*cp chunks"]),
     (dataclasses.replace(MODEL, vocab_size=65), ParallelConfig(tp=2),
      ["vocab_size=65", "tp=2", "pad it to 66", "pad_vocab_size"]),
-    (types.SimpleNamespace(**dataclasses.asdict(MODEL), n_experts=6), ParallelConfig(ep=4),
+    (types.SimpleNamespace(**{**dataclasses.asdict(MODEL), "n_experts": 6}), ParallelConfig(ep=4),
      ["n_experts=6", "ep=4", "same number of experts"]),
 ], ids=["heads", "kv_heads", "layers_pp", "layers_virtual", "seq_sp", "seq_cp", "vocab", "experts"])
 def test_validate_model_errors(model, cfg, words):
