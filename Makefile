@@ -68,6 +68,7 @@ verify-all: setup
 
 bench: setup
 	$(BIN)/python -m minitron.bench overhead
+	$(BIN)/python -m minitron.bench overlap
 	$(BIN)/python -m minitron.bench kernels
 
 clean-venv:

@@ -18,7 +18,8 @@ from minitron.model.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
 PATHS = {"ParallelGPT, tp=1": "1.10", "pipeline pp=1, 1f1b m=1": "1.05",
-         "data parallel dp=1": "1.05", "ZeRO-1 dp=1": "1.05", "ZeRO-3 dp=1": "1.05"}
+         "data parallel dp=1": "1.05", "ZeRO-1 dp=1": "1.05", "ZeRO-3 dp=1": "1.05",
+         "ParallelGPT MoE, ep=1": "1.05"}
 
 
 def test_overhead_runs_and_reports(capsys, monkeypatch):
@@ -32,7 +33,9 @@ def test_overhead_runs_and_reports(capsys, monkeypatch):
     for path, target in PATHS.items():
         row = [line for line in lines if line.startswith(path)]
         assert len(row) == 1, (path, out)
-        assert re.search(rf"\d+\.\d{{3}}   \(target <= {target}: (met|NOT met)\)$", row[0]), row[0]
+        assert re.search(rf"\d+\.\d{{3}}   \(target <= {target}: (met|NOT met)\)", row[0]), row[0]
+    moe = next(line for line in lines if line.startswith("ParallelGPT MoE"))
+    assert moe.endswith("vs MoE reference GPT"), moe     # against its own reference
 
 
 def test_paired_ratio_cancels_a_slow_spell():
