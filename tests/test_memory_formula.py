@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minitron.context_parallel.measure import saved_bytes
 from minitron.grid import ParallelConfig, build_grid
 from minitron.memory_formula import MINITRON, PAPER, layer_bytes, layer_terms
 from minitron.model.config import ModelConfig
@@ -88,20 +89,11 @@ def _saved_bytes(sp):
     """Bytes of the distinct non-parameter storages block 0 saves for backward on this rank."""
     grid = build_grid(ParallelConfig(tp=dist.get_world_size(), sequence_parallel=sp))
     model = ParallelGPT(CFG, grid, seed=0).train()
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     s_local = CFG.seq_len // grid.tp.size if sp else CFG.seq_len
     x = torch.randn(B, s_local, CFG.hidden, requires_grad=True)
-    storages = {}
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in weights:
-            storages[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(exclude=model.parameters()) as saved:
         model.layers[0](x, model.rng)
-    return sum(storages.values())
+    return saved.bytes
 
 
 def _mismatches(measured: dict, predict) -> list[str]:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import minitron.recompute as recompute
+from minitron.context_parallel.measure import saved_bytes
 from minitron.grid import ParallelConfig, build_grid
 from minitron.memory import Setup, activation_bytes_per_layer
 from minitron.model.config import ModelConfig
@@ -68,21 +69,12 @@ def _saved_per_layer(sp):
     for mode in MODES:
         grid = build_grid(ParallelConfig(tp=dist.get_world_size(), sequence_parallel=sp))
         model = ParallelGPT(dataclasses.replace(CFG, recompute=mode), grid, seed=0).train()
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         s_local = CFG.seq_len // grid.tp.size if sp else CFG.seq_len
         x = torch.randn(B, s_local, CFG.hidden, requires_grad=True)
-        storages = {}
-
-        def pack(t):
-            key = t.untyped_storage().data_ptr()
-            if key not in weights:
-                storages[key] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_bytes(exclude=model.parameters()) as saved:
             y = model.layers[0](x, model.rng)
         y.sum().backward()          # the recompute runs; it must leave the forward's count alone
-        out[mode] = sum(storages.values())
+        out[mode] = saved.bytes
     return out
 
 

@@ -22,14 +22,19 @@ from torch.utils._pytree import tree_flatten
 
 class saved_bytes:
     """``with saved_bytes() as m: out = f(x)`` -> m.bytes: the storages saved for backward
-    inside the block, each counted once (parameters and inputs included if they are saved)."""
+    inside the block, each counted once (parameters and inputs included if they are saved,
+    except the storages of the tensors in `exclude`, e.g. ``exclude=model.parameters()``)."""
+
+    def __init__(self, exclude=()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
 
     def __enter__(self):
         self.storages: dict[int, int] = {}
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in self._excluded:
+                self.storages[storage.data_ptr()] = storage.nbytes()
             return t
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
