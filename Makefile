@@ -65,6 +65,11 @@ verify-all: setup
 	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --cp-variant ulysses --steps 3
 	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --cp-variant allgather --steps 3
 	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --dp 2 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --pp 2 --schedule zb-h1 --microbatches 4 --steps 3
+	$(BIN)/python -m minitron.verify --tp 2 --sp --cp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --pp 2 --dp 2 --schedule 1f1b --microbatches 4 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --pp 2 --virtual 2 --layers 4 --schedule interleaved --microbatches 4 --steps 3
 
 bench: setup
 	$(BIN)/python -m minitron.bench overhead

@@ -68,7 +68,9 @@ capacity factor dropped exactly the reference's (token, expert) pairs.
 ranks' keys and values by `--cp-variant` (ring, allgather, ulysses). A rank's loss is the mean
 over its tokens, so the loss is averaged over cp, logits and dL/dX are gathered back in token
 order (dL/dX divided by C), and gradients are averaged over cp (finalize_grads; with --dp the
-engine's average over dense_dp = dp x cp). Not yet with --pp, --ep or 16-bit dtypes.
+engine's average over dense_dp = dp x cp). With --pp every cp rank of a stage runs the schedule
+on its chunks of each micro-batch, and stages exchange s/cp tokens. Not yet with --ep or 16-bit
+dtypes.
 """
 from __future__ import annotations
 
@@ -150,7 +152,6 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     """
     check_built(parallel_config)
     sched = pipeline_schedule(parallel_config, schedule, microbatches)
-    check_cp(parallel_config, sched)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
@@ -187,12 +188,6 @@ def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> in
                      f"micro-batch(es): use a multiple of {replicas * per_replica}")
 
 
-def check_cp(pcfg: ParallelConfig, sched) -> None:
-    if pcfg.cp > 1 and sched is not None:
-        raise ValueError("context parallelism inside pipeline stages is not built yet (the executor "
-                         "does not split micro-batches over cp): use --cp with --pp 1, no schedule")
-
-
 def check_kernels_dtype(dtype: torch.dtype) -> None:
     if dtype != torch.float32:
         raise ValueError(f"--kernels: the kernels compute in float32 (and 16-bit on a GPU), "
@@ -206,6 +201,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --cp 2              ring attention over 2 ranks (zigzag chunks)
   python -m minitron.verify --tp 2 --sp --cp 2 --cp-variant ulysses
   python -m minitron.verify --tp 1 --cp 2 --dp 2 --zero 1   context and data parallelism with ZeRO-1
+  python -m minitron.verify --tp 1 --cp 2 --pp 2 --schedule zb-h1 --microbatches 4   cp inside stages
   python -m minitron.verify --tp 1 --pp 2 --schedule zb-h1 --microbatches 4
   python -m minitron.verify --tp 2 --sp --pp 2 --schedule 1f1b --microbatches 4
   python -m minitron.verify --tp 1 --pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8
@@ -310,7 +306,6 @@ def main(argv: list[str] | None = None) -> int:
                               cp_variant=args.cp_variant)
         check_built(pcfg)
         sched = pipeline_schedule(pcfg, args.schedule, args.microbatches)
-        check_cp(pcfg, sched)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
         batch = split_batch(args.batch, pcfg, sched, "--batch")

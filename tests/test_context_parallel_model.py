@@ -11,7 +11,7 @@ import pytest
 
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
-from minitron.verify import run_rank, verify
+from minitron.verify import run_rank
 from minitron.verify_checks import Report
 
 BASE = dict(vocab_size=64, seq_len=16, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
@@ -63,8 +63,3 @@ def test_context_parallel_plants_fail(run_ranks, plant, caught):
     report = _report(run_ranks, "cp2-ring", plant=plant, steps=1)
     assert not report.passed
     assert any(caught in r.quantity for r in report.failures), report.verdict()
-
-
-def test_verify_refuses_cp_with_a_pipeline():
-    with pytest.raises(ValueError, match="pipeline"):
-        verify(ParallelConfig(cp=2, pp=2), ModelConfig(**BASE))

@@ -13,7 +13,12 @@ Each pipeline rank walks its own action list (pipeline/actions.py) in order:
   SEND_*/RECV_*  consecutive message actions are posted together as one batch (p2p.py)
 
 After the last action the gradient fix-ups (PipelineGPT.finalize_grads): sequence-parallel sums
-over tp, the tied embedding over the first and last stage.
+over tp, the average over cp, the tied embedding over the first and last stage.
+
+Context parallelism (grid.cp > 1): every cp rank of a stage runs the same schedule on its own
+zigzag chunks of every micro-batch's sequences (context_parallel.shard_sequence), so every
+message carries s/cp tokens (p2p.message_shape) between ranks of equal (tp, cp, dp) coordinates.
+A rank's loss is the mean over its own tokens; the reported loss is their mean over cp.
 
 Dropout masks are keyed by (step seed, global layer, call, global batch row)
 (tensor_parallel/random.py), so before each F the executor says which global rows the
@@ -35,6 +40,7 @@ from fractions import Fraction
 import torch
 
 from .. import comm
+from ..context_parallel import shard_sequence, unshard_sequence
 from ..grid import Grid, ParallelConfig, build_grid
 from ..launch import launch
 from ..model.config import ModelConfig
@@ -48,9 +54,11 @@ from .partition import PipelineGPT
 @dataclasses.dataclass
 class StepResult:
     """What one rank saw of one step (None where its stages do not produce it)."""
-    loss: torch.Tensor | None           # the batch's mean loss (sum of the scaled micro-batch losses)
-    logits: list[torch.Tensor] | None   # last stage: each micro-batch's logits shard [mb, s, V/tp]
-    input_grads: list[torch.Tensor] | None   # stage 0: dL/dX of each micro-batch, X = embed(tokens)
+    loss: torch.Tensor | None           # the batch's mean loss (sum of the scaled micro-batch losses,
+                                        # averaged over cp)
+    logits: list[torch.Tensor] | None   # last stage: each micro-batch's logits shard [mb, s/cp, V/tp]
+    input_grads: list[torch.Tensor] | None   # stage 0: dL/dX of each micro-batch, X = embed(tokens
+                                             # of this cp rank; under SP its 1/tp of them)
     events: list[Event]                 # this rank's compute actions, as run
     peak_bytes: int                     # activation bytes alive at the worst moment
     peak_alive: int                     # (micro-batch, stage) pairs whose activations were alive then
@@ -80,13 +88,16 @@ class _Run:
         self.first_row = first_row
         self.grid, m = model.grid, schedule.microbatches
         self.mbs = tokens.shape[0] // m
+        self.shape = message_shape(model.cfg, self.grid, self.mbs, tokens.shape[1])
+        cp = self.grid.cp            # this cp rank's chunks (a plant may cut them in another order)
+        layout = plant.cp_layout() if plant is not None else "zigzag"
+        tokens, targets = (shard_sequence(t, cp.size, cp.rank, layout) for t in (tokens, targets))
         self.tokens, self.targets = tokens.split(self.mbs), targets.split(self.mbs)
         self.last = schedule.n_stages - 1
         self.defers = any(a.kind == W for acts in schedule.actions.values() for a in acts)
         self.inputs, self.outputs, self.grad_out, self.grad_in = {}, {}, {}, {}
         self.loss = None
         self.logits, self.input_grads = [None] * m, [None] * m
-        self.shape = message_shape(model.cfg, self.grid, self.mbs, tokens.shape[1])
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.memory = ActivationMemory([*model.parameters(), tokens, targets])
@@ -193,10 +204,11 @@ class _Run:
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
                  *, plant=None, keep_outputs: bool = True, track_memory: bool = False,
                  first_row: int = 0, finalize_grads: bool = True) -> StepResult:
-    """Run this rank's part of `schedule` on the global batch (the same tokens on every rank).
+    """Run this rank's part of `schedule` on the global batch (the same tokens on every rank;
+    a cp rank runs its own chunks of every sequence).
 
     Call model.rng.reset(step seed) first, like any step; gradients accumulate into .grad and
-    are finalized (tp and tied-embedding sums) before it returns. `plant` (tests): a
+    are finalized (tp sums, cp average, tied-embedding sums) before it returns. `plant` (tests): a
     verify_plants.Plant whose pipeline faults to put in. track_memory=True measures the activation
     memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0).
     A data-parallel replica passes its rows of the batch and `first_row`, where they start in
@@ -216,9 +228,12 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     if leftover:
         raise ValueError(f"schedule {schedule.name!r} ended with work still waiting for "
                          f"(micro-batch, stage) {sorted(set(leftover))}: a backward or a send is missing")
+    loss, cp = run.loss, model.grid.cp
+    if loss is not None and cp.size > 1:   # each cp rank's is the mean over its own tokens
+        loss = comm.all_reduce(loss.clone(), cp) / cp.size
     if finalize_grads:
         model.finalize_grads()
-    return StepResult(run.loss, run.logits if model.holds_last and keep_outputs else None,
+    return StepResult(loss, run.logits if model.holds_last and keep_outputs else None,
                       run.input_grads if model.holds_first and keep_outputs else None,
                       run.events, run.memory.peak_bytes, run.memory.peak_alive,
                       dict(run.memory.unit_bytes))
@@ -226,8 +241,9 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
 
 def collect_outputs(result: StepResult, model: PipelineGPT, batch: int, seq: int):
     """(logits [b, s, V], loss, dL/dX [b, s, h]) of the whole batch on every rank, for comparing
-    with one device: gathered over tp where they are split, then broadcast over pp from the
-    rank of the stage that made them (collective over tp and pp)."""
+    with one device: gathered over tp where they are split, the sequence gathered back in order
+    over cp, then broadcast over pp from the rank of the stage that made them (collective over
+    tp, cp and pp). A cp rank's dL/dX is of its own tokens' mean loss: cp times the batch's."""
     grid, cfg = model.grid, model.cfg
     dtype, device = next(model.parameters()).dtype, grid.device
 
@@ -236,6 +252,8 @@ def collect_outputs(result: StepResult, model: PipelineGPT, batch: int, seq: int
             local = torch.cat(local) if isinstance(local, list) else local.reshape(shape)
             if split_dim is not None:
                 local = comm.all_gather(local.contiguous(), grid.tp, dim=split_dim)
+            if local.dim():                  # the sequence (dim 1), this cp rank's chunks
+                local = unshard_sequence(local, grid.cp)
         out = local.contiguous() if local is not None else torch.empty(shape, dtype=dtype, device=device)
         return comm.broadcast(out, grid.pp, src=model.placement[stage])
 
@@ -244,7 +262,7 @@ def collect_outputs(result: StepResult, model: PipelineGPT, batch: int, seq: int
     loss = from_stage(last, result.loss, (), None, torch.float32)   # the loss is float32 (cross_entropy.py)
     dx = from_stage(0, result.input_grads, (batch, seq, cfg.hidden),
                     1 if grid.sequence_parallel else None)
-    return logits, loss, dx
+    return logits, loss, dx / grid.cp.size
 
 
 # ---- measured timelines and memory: the schedule on real processes ------------------------------

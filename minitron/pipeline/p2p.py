@@ -3,8 +3,11 @@
 Every message between stages is one activation-sized tensor whose shape both ends know ahead:
 [micro-batch, seq, hidden], or [micro-batch, seq/tp, hidden] under sequence parallelism (only
 this tp rank's part of the sequence travels; without SP every tp rank sends its own copy of
-the replicated activation to the same tp rank of the next stage, as Megatron does). So no
-shapes are exchanged first: the receiver allocates the buffer and posts the receive.
+the replicated activation to the same tp rank of the next stage, as Megatron does). Under
+context parallelism a rank holds seq/cp tokens of every sequence (its zigzag chunks), and
+sends them to the rank with the same (tp, cp, dp) coordinates on the next stage: the pp group
+(grid.py) varies pp only. So no shapes are exchanged first: the receiver allocates the buffer
+and posts the receive.
 
 A run of consecutive message actions (pipeline/actions.py) is posted as one batch through
 comm.exchange (batch_isend_irecv, counted), so two neighbours that send to each other at the
@@ -25,10 +28,12 @@ from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
 
 
 def message_shape(cfg: ModelConfig, grid: Grid, microbatch_size: int, seq: int) -> tuple[int, int, int]:
-    """The shape of every activation or gradient sent between stages."""
+    """The shape of every activation or gradient sent between stages; `seq` is the whole
+    sequence's length: a rank holds seq/cp of it, and under SP 1/tp of those."""
+    local = seq // grid.cp.size
     if grid.sequence_parallel:
-        return (microbatch_size, seq // grid.tp.size, cfg.hidden)
-    return (microbatch_size, seq, cfg.hidden)
+        return (microbatch_size, local // grid.tp.size, cfg.hidden)
+    return (microbatch_size, local, cfg.hidden)
 
 
 def message_key(action: Action) -> tuple[str, int, int]:
