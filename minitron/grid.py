@@ -173,6 +173,9 @@ def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None) -> No
     if cfg.cp > 1 and s % (2 * cfg.cp):
         raise ValueError(f"sequence length {s} is not divisible by 2*cp={2 * cfg.cp}: context "
                          "parallelism cuts each sequence into 2*cp chunks to balance causal work")
+    if cfg.cp > 1 and getattr(model, "recompute", "none") == "selective":
+        raise ValueError("selective recomputation of context-parallel attention is not built: "
+                         "use recompute='full' or 'none' with cp > 1")
     if cfg.cp > 1 and cfg.cp_variant == "ulysses" and ((heads // cfg.tp) % cfg.cp
                                                        or (kv // cfg.tp) % cfg.cp):
         raise ValueError(f"cp_variant='ulysses' gives each of the cp={cfg.cp} ranks whole heads, but "
