@@ -28,7 +28,7 @@ from .. import comm
 from ..grid import Grid
 from ..moe.experts import TP_DIM as EXPERT_TP_DIM
 from .config import ModelConfig
-from .reference import Block, Embedding, make_norm
+from .reference import Block, make_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +204,12 @@ def gather_state_dict(local_sd: dict, cfg: ModelConfig, grid: Grid, placement=No
 
 def reference_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """The reference GPT's parameter shapes, from modules built on the meta device (no memory)."""
+    # The embedding's tables by hand: nn.Embedding's normal_ init on meta imports torch._dynamo
+    # (seconds of CPU in every launched rank that saves or loads a checkpoint)
+    shapes = {"embedding.word.weight": torch.Size([cfg.vocab_size, cfg.hidden])}
+    if cfg.position == "learned":
+        shapes["embedding.position.weight"] = torch.Size([cfg.seq_len, cfg.hidden])
     with torch.device("meta"):
-        shapes = {f"embedding.{k}": v.shape for k, v in Embedding(cfg).state_dict().items()}
         blocks = {moe: {k: v.shape for k, v in Block(cfg, moe).state_dict().items()}
                   for moe in {cfg.is_moe_layer(i) for i in range(cfg.n_layers)}}
         shapes.update({f"layers.{i}.{k}": v for i in range(cfg.n_layers)
