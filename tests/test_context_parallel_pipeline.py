@@ -6,8 +6,9 @@ Every cp rank of a stage runs the schedule on its zigzag chunks of each micro-ba
 loss, dL/dX (gathered back over cp), every gradient (averaged over cp, tied copies summed over
 the first and last stage) and every update at its float32 tolerances, dropout 0.1 (masks keyed
 by the tokens' global rows and positions). The planted chunk order fails under a pipeline too;
-the bytes between stages are the formula with s/cp per message, exactly; a recomputation mode
-that CP lacks is refused before any rank starts.
+the bytes between stages are the formula with s/cp per message, exactly; the (micro-batch,
+stage) pairs alive at the measured peak are the schedule checker's prediction; a recomputation
+mode that CP lacks is refused before any rank starts.
 """
 import pytest
 
@@ -15,6 +16,7 @@ from minitron import comm, verify
 from minitron.grid import ParallelConfig, build_grid, validate_model
 from minitron.model import ModelConfig
 from minitron.pipeline import executor
+from minitron.pipeline.check import check
 from minitron.pipeline.partition import PipelineGPT
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, make_batch, run_rank
@@ -74,6 +76,29 @@ def test_bytes_between_stages_are_the_formula_with_s_over_cp(run_ranks):
     message = 1 * (BASE["seq_len"] // CP) * BASE["hidden"] * 4    # one sequence per micro-batch
     for got in run_ranks(_traffic_worker, world_size=CP * PP):
         assert got == {"pp/send": (M, M * message), "pp/recv": (M, M * message)}, got
+
+
+# ---- memory: the schedule's prediction still holds, in micro-batches alive --------------------------
+def _memory_worker(name):
+    sched = make_schedule(name, PP, M)
+    grid = build_grid(ParallelConfig(cp=CP, pp=PP))
+    model = PipelineGPT(ModelConfig(**BASE), grid, sched.stage_rank)
+    tokens, targets = make_batch(0, 0, M, BASE["seq_len"], BASE["vocab_size"])
+    model.rng.reset(0)
+    result = executor.run_schedule(sched, model, tokens, targets, keep_outputs=False, track_memory=True)
+    return result.peak_alive, result.peak_bytes, set(result.unit_bytes.values())
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_peak_activations_are_the_checkers_prediction(run_ranks, name):
+    """cp splits every (micro-batch, stage)'s activations, not how many the schedule keeps."""
+    predicted = check(make_schedule(name, PP, M)).peak_activations
+    for rank, (alive, peak_bytes, units) in enumerate(run_ranks(_memory_worker, name, world_size=CP * PP)):
+        pp_rank = rank // CP                     # tp = 1: rank = cp_rank + cp * pp_rank
+        assert alive == predicted[pp_rank], (rank, alive, predicted)
+        assert len(units) == 1 and 0 < peak_bytes <= alive * max(units)
+        if name == "1f1b":                       # F and BW only: whole graphs alive, nothing else
+            assert peak_bytes == alive * max(units)
 
 
 # ---- refused up front ---------------------------------------------------------------------------------
