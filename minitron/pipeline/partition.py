@@ -16,6 +16,12 @@ name) and finalize_grads sums the two copies' gradients over grid.embedding, Meg
 (megatron/core/distributed/finalize_model_grads.py, _allreduce_word_embedding_grads), so both
 copies take the same step and stay equal. When they are on the same rank (ZB-V: rank 0 holds
 the first and the last stage) there is one weight and nothing to sum.
+
+Context parallelism needs nothing of its own here: every cp rank of a stage holds the same
+stages whole and runs them on its zigzag chunks (the executor shards each micro-batch), the
+blocks' attention reaches the other cp ranks through _Ctx, and finalize_grads averages over cp
+(ParallelGPT's) before the tied embedding's sum over the first and last stage of each
+(tp, cp, dp) coordinate's pipeline.
 """
 from __future__ import annotations
 
