@@ -19,7 +19,7 @@ from minitron.model.config import ModelConfig
 TINY = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
 PATHS = {"ParallelGPT, tp=1": "1.10", "pipeline pp=1, 1f1b m=1": "1.05",
          "data parallel dp=1": "1.05", "ZeRO-1 dp=1": "1.05", "ZeRO-3 dp=1": "1.05",
-         "ParallelGPT MoE, ep=1": "1.05"}
+         "context parallel cp=1, ring": "1.05", "ParallelGPT MoE, ep=1": "1.05"}
 
 
 def test_overhead_runs_and_reports(capsys, monkeypatch):
@@ -36,6 +36,40 @@ def test_overhead_runs_and_reports(capsys, monkeypatch):
         assert re.search(rf"\d+\.\d{{3}}   \(target <= {target}: (met|NOT met)\)", row[0]), row[0]
     moe = next(line for line in lines if line.startswith("ParallelGPT MoE"))
     assert moe.endswith("vs MoE reference GPT"), moe     # against its own reference
+
+
+def _forced_ring_rank(forced: bool, plant: bool):
+    import torch
+    from minitron.grid import ParallelConfig, build_grid
+    from minitron.model.parallel import ParallelGPT
+    from minitron.model.reference import GPT
+    from minitron.verify import make_batch, parallel_step
+    grid = build_grid(ParallelConfig(tp=1))
+    model = ParallelGPT.from_reference(GPT(TINY, seed=0), grid)
+    model.ctx.context_parallel = forced
+    from minitron.context_parallel.blocks import Accumulator
+    merge = Accumulator.merge
+    if plant:   # a 1% error in every block the ring merges (at cp=1: one causal block)
+        Accumulator.merge = lambda self, rows, out_b, lse_b: merge(self, rows, 1.01 * out_b, lse_b)
+    try:
+        tokens, targets = make_batch(0, 0, 2, TINY.seq_len, TINY.vocab_size)
+        _, _, loss = parallel_step(model, tokens, targets, step_seed=3)
+    finally:
+        Accumulator.merge = merge
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("plant", [False, True])
+def test_the_forced_ring_row_computes_the_plain_path(run_ranks, plant):
+    """The 'context parallel cp=1, ring' row times a correct computation: with the ring forced
+    on at cp=1 (dropout 0.1 included) loss and every gradient equal the plain path's, to 1e-5;
+    a planted 1% error in the ring's merged blocks is caught."""
+    import torch
+    plain_loss, plain_grads = run_ranks(_forced_ring_rank, False, False, world_size=1)[0]
+    loss, grads = run_ranks(_forced_ring_rank, True, plant, world_size=1)[0]
+    same = torch.allclose(loss, plain_loss, rtol=1e-5, atol=0) and all(
+        torch.allclose(grads[n], g, rtol=1e-5, atol=1e-7) for n, g in plain_grads.items())
+    assert same != plant
 
 
 def test_paired_ratio_cancels_a_slow_spell():

@@ -86,6 +86,10 @@ class _Ctx:
         self.sp = grid.sequence_parallel
         self.cp_group, self.cp, self.cp_rank = grid.cp, grid.cp.size, grid.cp.rank
         self.cp_variant = grid.config.cp_variant
+        # Attention through context_parallel_attention: needed when cp > 1. At cp = 1 the plain
+        # core computes the same; `python -m minitron.bench overhead` turns this on there to
+        # time the ring's own machinery with nothing to split.
+        self.context_parallel = self.cp > 1
 
     def cp_positions(self, s_cp: int, device) -> torch.Tensor:
         """Global positions of the s_cp tokens this cp rank holds (its zigzag chunks)."""
@@ -142,7 +146,7 @@ class ParallelAttention(nn.Module):
             pos = self.ctx.cp_positions(s, x.device)
             q, k = rotary(q, pos, self.cfg.rope_base), rotary(k, pos, self.cfg.rope_base)
         first = self.ctx.tp_rank * self.heads   # our heads in the reference's numbering
-        if self.ctx.cp > 1:
+        if self.ctx.context_parallel:
             y = self.context_parallel_core(q, k, v, rng, slice(first, first + self.heads))
             return self.out(y.transpose(1, 2).reshape(b, s, -1))
         core = functools.partial(fused_attention_core if self.cfg.use_kernels else attention_core,
