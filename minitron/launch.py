@@ -72,6 +72,7 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
         return _launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout)
     backend = backend or _pick_backend(world_size)
     _check_can_fork(backend)
+    _import_before_forking()
     ranks = [_Rank(r, world_size, log=True) for r in range(world_size)]
     port = _free_port()
     try:  # a failed start, or Ctrl-C in a notebook, must not leave the started ranks behind
@@ -283,6 +284,12 @@ def _pick_backend(world_size: int) -> str:
     if torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
+
+
+def _import_before_forking() -> None:
+    """torch imports torch._dynamo lazily, at a rank's first optimizer or first int(tensor):
+    seconds of CPU in every forked rank of every launch. Imported once here, each rank inherits it."""
+    import torch._dynamo  # noqa: F401
 
 
 def _check_can_fork(backend: str) -> None:
