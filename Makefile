@@ -52,6 +52,8 @@ verify-all: setup
 	$(BIN)/python -m minitron.verify --tp 2 --sp --dp 2 --steps 3
 	$(BIN)/python -m minitron.verify --tp 1 --dp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 3
 	$(BIN)/python -m minitron.verify --tp 1 --dp 4 --zero 3 --steps 3
+	$(BIN)/python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4 --steps 3
+	$(BIN)/python -m minitron.verify --tp 2 --sp --dp 2 --pp 2 --zero 3 --schedule 1f1b --microbatches 4 --steps 3
 	$(BIN)/python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 --steps 3
 	$(BIN)/python -m minitron.verify --tp 2 --sp --steps 3 --dtype bfloat16
 	$(BIN)/python -m minitron.verify --tp 2 --sp --steps 3 --dtype float16

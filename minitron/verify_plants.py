@@ -27,7 +27,8 @@ PLANTS = {
     "dp-bucket": "data parallel (--zero 0): bucket 1 of the gradient buffer is never all-reduced "
                  "(each rank keeps its own gradient, times 1/dp)",
     "zero-gather": "ZeRO 1/2: the updated shards are never all-gathered (each rank keeps only the "
-                   "update of the shard it owns)",
+                   "update of the shard it owns); ZeRO-3: a unit's gather refreshes only this "
+                   "rank's shard, the others' pieces stay as first gathered",
     "cp-no-rescale": "context parallel: attention blocks summed as they come, without the "
                      "exp(lse_block - lse) rescale",
     "cp-chunk-order": "context parallel: the batch cut into contiguous chunks while positions, "
@@ -37,6 +38,23 @@ PLANTS = {
     "moe-unpermute": "experts: undoing the regrouping is off by one row, so expert outputs return "
                      "to the wrong tokens",
 }
+
+
+def _stale_gather(unit):
+    """unit.gather that keeps its first result but for this rank's own shard (zero-gather)."""
+    real, first = unit.gather, []
+
+    @torch.no_grad()
+    def gather():
+        if unit.gathered:
+            return
+        real()
+        if not first:
+            first.append(unit.full.clone())
+        lo, hi = unit.range
+        unit.full.copy_(first[0])
+        unit.full[lo:hi].copy_(unit.shard)
+    return gather
 
 
 class Plant:
@@ -125,9 +143,14 @@ class Plant:
         if self.kind == "dp-bucket":
             _never_reduce_bucket(engine, 1)
         elif self.kind == "zero-gather":
-            if getattr(engine, "zero_stage", 3) not in (1, 2):
-                raise ValueError("plant zero-gather skips ZeRO 1/2's all-gather: use --zero 1 or 2")
-            engine.after_step = lambda: None
+            if hasattr(engine, "units"):      # ZeroStage3
+                for unit in engine.units:
+                    unit.gather = _stale_gather(unit)
+            elif engine.zero_stage not in (1, 2):
+                raise ValueError("plant zero-gather skips ZeRO's all-gather of updated weights: "
+                                 "use --zero 1, 2 or 3")
+            else:
+                engine.after_step = lambda: None
 
     def before_step(self, model) -> None:
         if self.kind == "update":

@@ -78,8 +78,6 @@ def check_data_parallel(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dt
         (pcfg.cp > 1 and (pcfg.ep > 1 or dtype in SIXTEEN_BIT),
          "context parallelism is verified with data parallelism and ZeRO in float32, without "
          "expert parallelism: use --cp with --ep 1 and --dtype float32"),
-        (zero == 3 and schedule is not None, "ZeRO-3 inside pipeline stages is not built: use "
-                                             "--zero 0, 1 or 2 with --pp"),
         (zero == 3 and mcfg.tie_embeddings, "ZeRO-3 gathers the embedding for its own forward only, "
                                             "a tied output layer reuses it later: drop --tie"),
         (dtype == torch.float16 and schedule is not None, "the pipeline executor takes no loss "
@@ -155,6 +153,7 @@ def _step(model, schedule, planted: Plant, tokens, targets, step_seed: int, engi
     if engine is None:
         result = run_schedule(schedule, model, tokens, targets, plant=planted)
     else:   # micro-batches accumulate quietly; every bucket is sent once, after the last
+            # (ZeRO-3 reduce-scatters each micro-batch into the shard: data_parallel/zero3.py)
         with engine.no_sync():
             result = run_schedule(schedule, model, tokens, targets, plant=planted, first_row=first,
                                   finalize_grads=False)

@@ -3,7 +3,8 @@
     buffer.py   the flat parameter/gradient buffer, its buckets and their collectives
     ddp.py      DataParallel: bucketed all-reduce (or reduce-scatter) started from backward hooks
     step.py     forward_backward: this rank's rows of the global batch, in micro-batches
-    zero.py     ZeroOptimizer (AdamW on fp32 master shards) and ZeroStage3 (sharded parameters)
+    zero.py     ZeroOptimizer: AdamW on fp32 master shards (the ZeRO table is in its docstring)
+    zero3.py    ZeroStage3: sharded parameters, gathered unit by unit (pipelines, B/W split too)
     memory.py   per-rank bytes measured, and the ZeRO formulas for memory and traffic
     checks.py   whole tensors rebuilt from shards, for comparisons with the reference
 
@@ -25,7 +26,8 @@ from .checks import gathered_grads, gathered_params, load_grads
 from .ddp import DEFAULT_BUCKET_NUMEL, DataParallel, reduction_group
 from .memory import StateBytes, formula_bytes, measure, traffic_wire_bytes
 from .step import forward_backward, local_rows
-from .zero import ZeroOptimizer, ZeroStage3, default_units
+from .zero import ZeroOptimizer
+from .zero3 import ZeroStage3, default_units
 
 
 def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL, **adamw):

@@ -91,7 +91,7 @@ class DataParallel:
     """Bucketed, overlapped gradient averaging for `model` over the grid's data-parallel groups.
 
     `bucket_numel`: elements per bucket (None: one bucket). `zero_stage`: 0, 1 or 2 (see the
-    module docstring); stage 3 is minitron.data_parallel.zero.ZeroStage3. Parameters are moved
+    module docstring); stage 3 is minitron.data_parallel.zero3.ZeroStage3. Parameters are moved
     into one flat buffer (their .data become views of it); build optimizers afterwards.
     """
 

@@ -14,9 +14,13 @@ The formulas (ZeRO paper, mixed-precision Adam, Ψ parameters, N data-parallel r
 Ψ here is the parameter count after each bucket (stage 3: each unit) is padded to a multiple
 of N (`engine.padded_numel`); on a model whose buckets already divide by N it is the model's.
 
-Traffic per step, wire bytes per rank (what a ring sends; minitron.comm counts it):
-    stages 0, 1, 2   2 (N-1)/N * 2Ψ      (all-reduce = reduce-scatter + all-gather)
-    stage 3          3 (N-1)/N * 2Ψ      (all-gather twice, reduce-scatter once: 1.5x)
+Traffic per step, wire bytes per rank (what a ring sends; minitron.comm counts it), m micro-batches:
+    stages 0, 1, 2   2 (N-1)/N * 2Ψ      (all-reduce = reduce-scatter + all-gather), once: the
+                                         micro-batches accumulate under no_sync
+    stage 3          3m (N-1)/N * 2Ψ     (all-gather twice, reduce-scatter once, per micro-batch:
+                                         1.5x at m = 1; zero3.py says why per micro-batch)
+A pipeline rank's Ψ is its stages' parameters: the data-parallel group of a pipeline rank holds
+the same stages, and the formulas hold for it with Ψ = Ψ_rank.
 """
 from __future__ import annotations
 
@@ -78,9 +82,12 @@ def formula_bytes(psi: int, n: int, stage: int, param_bytes: int = 2, grad_bytes
                       optimizer=shard(optimizer_bytes, 1))
 
 
-def traffic_wire_bytes(psi: int, n: int, stage: int, elem_bytes: int = 2) -> float:
+def traffic_wire_bytes(psi: int, n: int, stage: int, elem_bytes: int = 2,
+                       microbatches: int = 1) -> float:
     """Wire bytes per rank per step of the data-parallel collectives (module docstring)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    passes = 3 if stage == 3 else 2
+    if microbatches < 1:
+        raise ValueError(f"a step has at least one micro-batch, got microbatches={microbatches}")
+    passes = 3 * microbatches if stage == 3 else 2
     return passes * (n - 1) / n * elem_bytes * psi

@@ -15,14 +15,23 @@ Deferral is off by default, and then the layers call F.linear exactly as before.
 routes the layers through DeferrableLinear (the executor's forward passes); whether a given
 backward defers is decided when it runs: inside `deferring(key)` it queues, otherwise it computes
 dL/dW at once (a full backward, BW).
+
+Hooks (ZeRO-3 counts each parameter's gradient contributions, data_parallel/zero.py): a deferred
+gradient reaches .grad outside autograd, so `register_grad_hook(param, hook)` is this module's
+Tensor.register_post_accumulate_grad_hook: hook(param) runs after a W accumulated into it.
+Autograd still calls a deferred parameter's own post-accumulate hooks during B, with nothing
+accumulated; `waiting(param)` tells such a call apart (the parameter's W is queued).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class WeightGradStore:
@@ -32,6 +41,8 @@ class WeightGradStore:
         self.capturing = False                   # forward: build DeferrableLinear nodes
         self.key: Hashable | None = None         # backward: queue under this key (None: compute now)
         self.queues: dict[Hashable, list[tuple[Callable[[], None], int]]] = {}
+        self.waiting = WeakIdKeyDictionary()     # parameter -> its queued closures, not yet run
+        self.grad_hooks = WeakIdKeyDictionary()  # parameter -> {handle id: hook(param)}
 
     def put(self, closure: Callable[[], None], nbytes: int) -> None:
         """Queue one layer's dL/dW computation; `nbytes`: what the closure alone keeps alive."""
@@ -50,6 +61,20 @@ class WeightGradStore:
 
     def clear(self) -> None:
         self.queues.clear()
+        self.waiting.clear()
+
+
+def register_grad_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+    """Call hook(param) each time a W has accumulated into param.grad (see the module doc)."""
+    hooks = STORE.grad_hooks.setdefault(param, collections.OrderedDict())   # weak-referenceable
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def waiting(param: torch.Tensor) -> bool:
+    """Whether dL/d(param) has W closures queued (so a B just skipped it)."""
+    return STORE.waiting.get(param, 0) > 0
 
 
 STORE = WeightGradStore()
@@ -80,6 +105,9 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad += grad
+    STORE.waiting[param] = STORE.waiting.get(param, 1) - 1
+    for hook in tuple(STORE.grad_hooks.get(param, {}).values()):
+        hook(param)
 
 
 class DeferrableLinear(torch.autograd.Function):
@@ -106,6 +134,9 @@ class DeferrableLinear(torch.autograd.Function):
             if b_param is not None:
                 _accumulate(b_param, g2.sum(0))
         STORE.put(weight_grad, grad_y.numel() * grad_y.element_size())
+        for p in (w_param, b_param):
+            if p is not None:
+                STORE.waiting[p] = STORE.waiting.get(p, 0) + 1
         return grad_x, None, None
 
 

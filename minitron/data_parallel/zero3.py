@@ -1,0 +1,261 @@
+"""ZeRO stage 3: the parameters themselves sharded over dp, each unit gathered when it is needed.
+
+    engine = ZeroStage3(model, grid)          # units: default_units(model), one per layer
+    opt = ZeroOptimizer(engine, lr=1e-4)      # zero.py: AdamW on this rank's shard
+    engine.zero_grad(); loss.backward(); engine.finish_grad_sync(); opt.step()
+
+ZeroStage3's docstring says when a unit is gathered, freed and reduce-scattered, how
+micro-batches accumulate (and what that costs in memory and traffic), and how pipelines and
+B/W-split schedules fit in.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from .. import comm, comm_async
+from ..grid import Grid
+from ..tensor_parallel import weight_grad
+from .buffer import FlatLayout, flatten_into
+from .ddp import sum_sequence_parallel_grads
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """One unit per layer, plus the embedding, the final norm and the output layer: those the
+    model holds. A pipeline rank (PipelineGPT) holds its stages' layers (a ModuleDict keyed by
+    global index), the embedding on the first stage, the final norm and output layer on the last."""
+    if not hasattr(model, "layers"):
+        raise ValueError("ZeroStage3 needs units= (the modules to gather one at a time) for a "
+                         "model without .layers")
+    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
+        raise ValueError("ZeroStage3 gathers the embedding unit for the embedding's forward only, "
+                         "but a tied output layer reuses its weight later: use tie_embeddings=False")
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    ends = lambda names: [getattr(model, n) for n in names if hasattr(model, n)]
+    return ends(["embedding"]) + list(layers) + ends(["final_norm", "lm_head"])
+
+
+class _FreeAfterBackward(torch.autograd.Function):
+    """Identity on a unit's input; its backward, which runs once dL/d(input) is complete (every
+    node of the unit that reads a weight has run), frees the unit's gathered weights."""
+
+    @staticmethod
+    def forward(ctx, unit, x):
+        ctx.unit = unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.unit.free()
+        return None, grad
+
+
+class _Unit:
+    """One module's parameters: a persistent 1/n shard and a full buffer that exists only
+    while gathered (its storage is resized to 0 in between; the parameters stay views of it)."""
+
+    def __init__(self, module: nn.Module, group, rank: int):
+        params = [p for p in module.parameters() if p.requires_grad]
+        n = group.size
+        self.module, self.group, self.params = module, group, params
+        self.layout = FlatLayout(params, None, pad_to=n)
+        first = params[0]
+        self.full = flatten_into(self.layout, first.dtype, first.device)
+        size = self.layout.numel // n
+        self.range = (rank * size, (rank + 1) * size)
+        self.shard = self.full[self.range[0]:self.range[1]].clone()   # ZeroStage3 re-homes these
+        self.grad_shard = torch.zeros_like(self.shard)
+        self.gathered = True
+        self.contributions = {p: 0 for p in params}   # gradients in this step, per parameter
+        self.reduced = 0                                # micro-batches reduce-scattered so far
+        self.free()
+
+    def contribute(self, p: nn.Parameter, scale: float) -> None:
+        """One more gradient of p is in .grad; once every parameter has one more than has been
+        reduce-scattered, the micro-batch is complete: send what .grad holds, free the weights."""
+        self.contributions[p] += 1
+        if min(self.contributions.values()) > self.reduced:
+            self.reduce_grads(scale)
+            self.reduced += 1
+            self.free()
+
+    def gather(self) -> None:
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        comm_async.all_gather(self.shard, self.group, out=self.full).wait()
+        self.gathered = True
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def reduce_grads(self, scale: float) -> None:
+        """All gradients of the unit are in: reduce-scatter them into my shard, free them."""
+        data = torch.zeros(self.layout.numel, dtype=self.shard.dtype, device=self.shard.device)
+        for p in self.params:
+            if p.grad is not None:
+                self.layout.view(data, p).copy_(p.grad)
+            p.grad = None
+        data.mul_(scale)
+        self.grad_shard.add_(comm.reduce_scatter(data, self.group))
+
+    def reset(self) -> None:
+        self.contributions = dict.fromkeys(self.contributions, 0)
+        self.reduced = 0
+        for p in self.params:
+            p.grad = None
+
+
+class ZeroStage3:
+    """Parameters, gradients and optimizer state all sharded over the data-parallel group.
+
+    Each unit (default_units: one per layer, plus embedding, final norm, output layer) is
+    gathered just before its forward and freed right after; gathered again when backward
+    reaches it (a hook on its output's gradient) and freed once backward has left it (an
+    identity on its input whose backward frees it; the embedding, whose input is tokens, when
+    its gradients are in). Every forward and every backward gathers anew, so with m
+    micro-batches a unit is gathered 2m times per step, always from the same shard (the
+    optimizer only writes it after the step): every micro-batch sees the same weights.
+    Dense parameters only (experts would shard over dp_cp).
+
+    Gradient accumulation, DeepSpeed's way: a unit's gradients are reduce-scattered into this
+    rank's gradient shard as soon as a micro-batch's last one is in, and .grad is freed; the
+    micro-batches add up in the shard. So gradients stay sharded (2Ψ/N, plus one unit's
+    full .grad at a time) and each micro-batch costs 2 all-gathers and 1 reduce-scatter:
+
+        wire bytes per rank per step = 3m (N-1)/N * bytes(Ψ)     (m micro-batches)
+
+    against (2m+1) (N-1)/N * bytes(Ψ) for keeping the whole .grad until the last micro-batch
+    (one reduce-scatter, but 2Ψ of full gradients alive all step: ZeRO-2's memory). no_sync()
+    is therefore a no-op: there is nothing to hold back.
+
+    Pipelines (PipelineGPT: only this rank's stages; one unit per layer it holds) need nothing
+    more: a stage runs its units' forwards m times and their backwards m times, each with its
+    own gather. B/W-split schedules (zero bubble, tensor_parallel/weight_grad.py): B needs the
+    weights (dL/dX = dL/dY W) and gathers them like any backward; W needs only the saved
+    activations and output gradients, so it runs on freed weights and accumulates into .grad,
+    calling weight_grad's hook. A micro-batch of a unit is complete when every parameter has
+    one more contribution than was reduce-scattered (a counter per parameter, fed by autograd's
+    post-accumulate hooks and weight_grad's; a deferred parameter's empty autograd call in B is
+    skipped): the W of a unit's micro-batch triggers its reduce-scatter. What .grad holds then
+    may include the next micro-batch's norm gradients (from its B): sums are sums, each
+    contribution is sent exactly once, and m reduce-scatters per unit still hold.
+    """
+
+    def __init__(self, model: nn.Module, grid: Grid, units: list[nn.Module] | None = None):
+        self.model, self.grid = model, grid
+        units = units if units is not None else default_units(model)
+        self.names = {p: n for n, p in model.named_parameters()}
+        owned = [p for u in units for p in u.parameters() if p.requires_grad]
+        wanted = [p for p in model.parameters() if p.requires_grad]
+        if len(owned) != len(set(owned)) or set(owned) != set(wanted):
+            raise ValueError("ZeroStage3 units must hold every trainable parameter exactly once: "
+                             f"{len(set(wanted) - set(owned))} left out, "
+                             f"{len(owned) - len(set(owned))} in two units")
+        if any(getattr(p, "allreduce", True) is False for p in wanted):
+            raise ValueError("ZeroStage3 shards dense parameters over dense_dp; expert parameters "
+                             "(allreduce=False) are not supported yet: use DataParallel")
+        self.group = grid.dense_dp
+        self.scale = 1.0 / grid.dense_dp.size
+        rank = self.group.rank
+        self.units = [_Unit(u, self.group, rank) for u in units]
+        # All shards end to end in one tensor (and the gradient shards in another), so the
+        # optimizer steps them as one flat tensor, as it does a DataParallel bucket.
+        self.shards = torch.cat([u.shard for u in self.units])
+        self.grad_shards = torch.zeros_like(self.shards)
+        offset = 0
+        for u in self.units:
+            n = u.shard.numel()
+            u.shard, u.grad_shard = self.shards[offset:offset + n], self.grad_shards[offset:offset + n]
+            offset += n
+        self.unit_of = {p: u for u in self.units for p in u.params}
+        self._hooks = []
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(
+                lambda m, args, u=u: self._before_forward(u, args)))
+            self._hooks.append(u.module.register_forward_hook(
+                lambda m, a, out, u=u: self._after_forward(u, out)))
+        for p in wanted:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hooks.append(weight_grad.register_grad_hook(
+                p, lambda p: self.unit_of[p].contribute(p, self.scale)))
+
+    def _before_forward(self, unit: _Unit, args: tuple):
+        unit.gather()
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad \
+                or not torch.is_grad_enabled():
+            return None
+        return (_FreeAfterBackward.apply(unit, args[0]), *args[1:])
+
+    def _after_forward(self, unit: _Unit, out) -> None:
+        unit.free()
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, u=unit: (u.gather(), g)[1])
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if weight_grad.waiting(p):            # a B deferred this gradient: W will bring it
+            return
+        self.unit_of[p].contribute(p, self.scale)
+
+    # ---- the engine API (as DataParallel's) ------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Nothing to hold back: micro-batches accumulate in the sharded gradient (class doc)."""
+        yield
+
+    def finish_grad_sync(self) -> None:
+        for u in self.units:
+            if any(p.grad is not None for p in u.params):   # a parameter that got no gradient
+                u.reduce_grads(self.scale)
+            u.free()
+            u.contributions = dict.fromkeys(u.contributions, 0)
+            u.reduced = 0
+        sum_sequence_parallel_grads(self, self.grid)
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard.zero_()
+            u.reset()
+
+    def owned_params(self) -> list[torch.Tensor]:
+        return [u.shard for u in self.units]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.units]
+
+    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+        u = self.unit_of[p]
+        return [(i, u.grad_shard[j:j + ln]) for i, j, ln in u.layout.pieces(p, [u.range])]
+
+    def param_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+        u = self.unit_of[p]
+        return [(i, u.shard[j:j + ln]) for i, j, ln in u.layout.pieces(p, [u.range])]
+
+    @property
+    def parameters(self):
+        return list(self.unit_of)
+
+    grads_replicated = False
+
+    def after_step(self) -> None:
+        """Nothing to gather: the next forward gathers each unit with its new shard."""
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [t for u in self.units for t in (u.shard, u.full)]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.units]
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(u.layout.numel for u in self.units)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
