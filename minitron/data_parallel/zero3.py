@@ -93,7 +93,7 @@ class _Unit:
         self.gathered = False
 
     def reduce_grads(self, scale: float) -> None:
-        """All gradients of the unit are in: reduce-scatter them into my shard, free them."""
+        """Reduce-scatter what .grad holds (times `scale`) into my gradient shard; free .grad."""
         data = torch.zeros(self.layout.numel, dtype=self.shard.dtype, device=self.shard.device)
         for p in self.params:
             if p.grad is not None:
@@ -103,6 +103,7 @@ class _Unit:
         self.grad_shard.add_(comm.reduce_scatter(data, self.group))
 
     def reset(self) -> None:
+        """A new step: no contributions, no .grad (the gradient shard is ZeroStage3's to zero)."""
         self.contributions = dict.fromkeys(self.contributions, 0)
         self.reduced = 0
         for p in self.params:
@@ -124,7 +125,8 @@ class ZeroStage3:
     Gradient accumulation, DeepSpeed's way: a unit's gradients are reduce-scattered into this
     rank's gradient shard as soon as a micro-batch's last one is in, and .grad is freed; the
     micro-batches add up in the shard. So gradients stay sharded (2Ψ/N, plus one unit's
-    full .grad at a time) and each micro-batch costs 2 all-gathers and 1 reduce-scatter:
+    full .grad at a time; under B/W split also the norms' gradients of B's whose W has not run)
+    and each micro-batch costs 2 all-gathers and 1 reduce-scatter:
 
         wire bytes per rank per step = 3m (N-1)/N * bytes(Ψ)     (m micro-batches)
 
@@ -213,8 +215,7 @@ class ZeroStage3:
             if any(p.grad is not None for p in u.params):   # a parameter that got no gradient
                 u.reduce_grads(self.scale)
             u.free()
-            u.contributions = dict.fromkeys(u.contributions, 0)
-            u.reduced = 0
+            u.reset()
         sum_sequence_parallel_grads(self, self.grid)
 
     def zero_grad(self) -> None:
