@@ -40,7 +40,8 @@ so in the header.
 rows of the global batch (dropout masks are keyed by global row) and the engine of
 minitron.data_parallel averages the gradients, in buckets started from backward hooks; with
 `--zero 1|2|3` the gradients are reduce-scattered and ZeRO's ZeroOptimizer steps fp32 master
-weights of each rank's shard (stage 3 also shards the weights, gathered per layer). The logits
+weights of each rank's shard (stage 3 also shards the weights, gathered per layer, inside
+pipeline stages too: each pipeline rank shards its own stages). The logits
 and dL/dX are gathered back over dp, the loss averaged over dp: the rows are the whole batch's,
 compared with the reference on the whole batch. The gradients compared are the reduced ones,
 rebuilt from the shards (data_parallel.checks); replicas must stay bitwise equal over dp, the
@@ -208,6 +209,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --dp 2               data parallel: each replica its rows
   python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 Megatron's distributed optimizer
   python -m minitron.verify --tp 1 --dp 4 --zero 3      parameters sharded too
+  python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4   ZeRO-3 in stages
   python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
   python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
