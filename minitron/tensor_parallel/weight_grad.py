@@ -16,7 +16,7 @@ routes the layers through DeferrableLinear (the executor's forward passes); whet
 backward defers is decided when it runs: inside `deferring(key)` it queues, otherwise it computes
 dL/dW at once (a full backward, BW).
 
-Hooks (ZeRO-3 counts each parameter's gradient contributions, data_parallel/zero.py): a deferred
+Hooks (ZeRO-3 counts each parameter's gradient contributions, data_parallel/zero3.py): a deferred
 gradient reaches .grad outside autograd, so `register_grad_hook(param, hook)` is this module's
 Tensor.register_post_accumulate_grad_hook: hook(param) runs after a W accumulated into it.
 Autograd still calls a deferred parameter's own post-accumulate hooks during B, with nothing
