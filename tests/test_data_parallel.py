@@ -314,3 +314,37 @@ def test_local_rows_split_over_dp_and_ep_not_cp():
     assert starts == [0, 0, 2, 2, 4, 4, 6, 6] and all(s.stop - s.start == 2 for s in got)
     with pytest.raises(ValueError, match="multiple of 4"):
         local_rows(6, SimpleNamespace(config=cfg, coords=cfg.coords(0)))
+
+
+def unused_param_rank(stage, plant):
+    """A parameter used in step 1 and not in step 2 must send zeros in step 2, not step 1's
+    gradient left in its view (zero_grad leaves .grad None; buffer.fill_missing zeroes it)."""
+    grid = build_grid(ParallelConfig(tp=1, dp=2))
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    engine = DataParallel(model, grid, bucket_numel=None, zero_stage=stage)
+    if plant:                           # the bug: the stale view is sent as it is
+        for gb in engine.buffers:
+            gb.fill_missing = lambda b: None
+    x = torch.ones(2, 4) * (grid.dp.rank + 1)
+    grads = []
+    for use_b in (True, False):
+        engine.zero_grad()
+        y = model["a"](x)
+        if use_b:
+            y = model["b"](y)
+        y.sum().backward()
+        engine.finish_grad_sync()
+        grads.append([t.clone() for _, t in engine.grad_pieces(model["b"].weight)])
+    return grads
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_parameter_without_a_gradient_sends_zeros(run_ranks, stage, plant):
+    ranks = run_ranks(unused_param_rank, stage, plant, world_size=2)   # ZeRO-1: each its pieces
+    step1 = [g for r in ranks for g in r[0]]
+    step2 = [g for r in ranks for g in r[1]]
+    assert sum(g.numel() for g in step2) == 16 * (2 if stage == 0 else 1)   # whole, per copy
+    assert any(g.abs().sum() > 0 for g in step1)               # it was used in step 1
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in step2) != plant

@@ -188,12 +188,24 @@ class GroupBuffer:
 
     # ---- buckets ---------------------------------------------------------------------
     def adopt_grad(self, p: nn.Parameter) -> None:
-        """Stages 0/1: make sure p.grad is its buffer view (zero_grad(set_to_none) replaced it)."""
+        """Stages 0/1, from p's gradient hook: make p.grad its buffer view. A step's first
+        gradient arrives in autograd's own tensor (DataParallel.zero_grad leaves .grad None,
+        so autograd hands over what it computed instead of adding it to zeros: one pass over
+        the gradients fewer); it is copied in, and later micro-batches add into the view."""
         view = self.layout.view(self.grads_flat, p)
         if p.grad is None or p.grad.data_ptr() != view.data_ptr():
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
+
+    def fill_missing(self, b: int) -> None:
+        """Stages 0/1, before bucket b is reduced: a parameter that got no gradient this step
+        (its .grad still None) must send zeros, not what its view held last step."""
+        if self.stage >= 2:
+            return
+        for p in self.layout.buckets[b].params:
+            if p.grad is None:
+                p.grad = self.layout.view(self.grads_flat, p).zero_()
 
     def sum_shared(self, group) -> None:
         """A pipeline's tied embedding: add the other stage's copy's gradient (before averaging
@@ -219,7 +231,8 @@ class GroupBuffer:
                     o = self.layout.offset[p] - bucket.start
                     data[o:o + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
-        data.mul_(self.scale)
+        if self.scale != 1.0:                 # one replica: nothing to average, skip the pass
+            data.mul_(self.scale)
         if self.stage == 0:
             self.pending[b] = comm_async.all_reduce(data, self.group)
         else:

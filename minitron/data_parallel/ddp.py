@@ -36,8 +36,9 @@ in Megatron) over `dp_cp`, the ranks that hold the same expert, but divided by t
 dense_dp size: the tokens of every expert-parallel rank already reached the expert through
 the all-to-all, so the sum over dp_cp covers all dense_dp ranks' data.
 
-Gradient accumulation: inside `no_sync()` the hooks do nothing, gradients add up in the
-buffer, and only the last micro-batch's backward communicates (once per bucket).
+Gradient accumulation: inside `no_sync()` the hooks only move each first gradient into the
+buffer, gradients add up there, and only the last micro-batch's backward communicates (once
+per bucket).
 
 A pipeline's tied embedding (the first stage's table, reused as the last stage's output layer;
 both copies marked `shared_embedding = True`) gets a bucket of its own, started last, by
@@ -141,15 +142,14 @@ class DataParallel:
         sum_sequence_parallel_grads(self, self.grid)
 
     def zero_grad(self) -> None:
+        """Start a step. .grad becomes None, not a zeroed view: the first gradient is copied
+        into the buffer by the hook (buffer.adopt_grad), and a parameter that gets none is
+        zeroed before its bucket is sent (buffer.fill_missing)."""
         for gb in self.buffers:
-            if gb.grads_flat is not None:
-                gb.grads_flat.zero_()
-                for p in gb.layout.params:
-                    p.grad = gb.layout.view(gb.grads_flat, p)
-            else:
+            if gb.grad_shard is not None:
                 gb.grad_shard.zero_()
-                for p in gb.layout.params:
-                    p.grad = None
+            for p in gb.layout.params:
+                p.grad = None
         self.events.clear()
         self.collectives.clear()
 
@@ -228,6 +228,7 @@ class DataParallel:
             self._launch(gb, gb.next_launch)
 
     def _launch(self, gb: GroupBuffer, b: int) -> None:
+        gb.fill_missing(b)
         if b == gb.late_bucket:
             gb.sum_shared(self.grid.embedding)
         self.events.append(("launch", b, time.perf_counter()))
