@@ -99,7 +99,8 @@ class _Unit:
             if p.grad is not None:
                 self.layout.view(data, p).copy_(p.grad)
             p.grad = None
-        data.mul_(scale)
+        if scale != 1.0:                      # one replica: nothing to average, skip the pass
+            data.mul_(scale)
         self.grad_shard.add_(comm.reduce_scatter(data, self.group))
 
     def reset(self) -> None:
