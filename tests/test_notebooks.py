@@ -2,11 +2,17 @@
 exactly), every exercise is generated from its solution, and the generator refuses markers
 that would leak a solution. Grading (tests/test_grading.py) runs every solution's answers in
 its reference notebook, which is the solution's own nbval run, and shows that every unsolved
-exercise fails because of its stubs."""
+exercise fails because of its stubs.
+
+The lessons run in one nbval process (RUNS side by side, alternate lessons each): a process
+pays once for pytest and nbformat's import (5 s of CPU: jsonschema builds an RFC 3987 grammar),
+a lesson for its own kernel, torch's import and its cells."""
 import json
+import os
 import pathlib
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 
@@ -16,21 +22,62 @@ SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 
-def nbval(path: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "--nbval", "-p", "no:cacheprovider", "-q",
-         "--nbval-cell-timeout=600", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200)
+RUNS = 2   # nbval processes side by side: a lesson's kernel is one process, its ranks several
 
 
 def _id(p):
     return f"{p.parent.name}/{p.name}"
 
 
+def _start_nbval(paths: list[pathlib.Path], junit: pathlib.Path) -> subprocess.Popen:
+    # One torch thread in each kernel, as launch gives each rank: on tensors this small a
+    # second thread only waits at every op's barrier, for a core that another process holds
+    # (a lesson's 40 training steps took 12 s of CPU with two threads, 0.5 s with one).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "--nbval", "-p", "no:cacheprovider", "-q", "--color=no",
+         "--nbval-cell-timeout=600", f"--junitxml={junit}", *map(str, paths)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _failures_by_notebook(junit: pathlib.Path, paths: list[pathlib.Path]) -> dict:
+    """{path: [failure texts]} of the cells nbval ran; a notebook with no cells run is absent."""
+    out: dict = {}
+    for case in ElementTree.parse(junit).iter("testcase"):
+        path = next((p for p in paths if case.get("classname", "").endswith(p.name)), None)
+        if path is not None:
+            out.setdefault(path, []).extend(
+                f"{case.get('name')}: {bad.text or bad.get('message', '')}"
+                for bad in case if bad.tag in ("failure", "error"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lesson_failures(request, tmp_path_factory):
+    """path -> (failure texts or None when nbval did not run it, nbval's output), for the
+    lessons the selected tests ask about, from RUNS nbval processes side by side."""
+    paths = sorted({item.callspec.params["path"] for item in request.session.items
+                    if item.module is request.module and "lesson_failures" in item.fixturenames})
+    tmp = tmp_path_factory.mktemp("nbval")
+    runs = [(paths[k::RUNS], tmp / f"run{k}.xml") for k in range(min(RUNS, len(paths)))]
+    procs = [_start_nbval(mine, junit) for mine, junit in runs]
+    results = {}
+    try:
+        for (mine, junit), proc in zip(runs, procs):
+            output = proc.communicate(timeout=1200 * len(mine))[0]
+            found = _failures_by_notebook(junit, mine) if junit.exists() else {}
+            results.update({p: (found.get(p), output) for p in mine})
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=_id)
-def test_notebook_reproduces_its_outputs(path):
-    result = nbval(path)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+def test_notebook_reproduces_its_outputs(path, lesson_failures):
+    failures, output = lesson_failures[path]
+    assert failures is not None, f"nbval did not run {path.name}:\n{output[-6000:]}"
+    assert not failures, "\n".join(failures)[-8000:]
 
 
 def test_every_lesson_has_an_exercise_and_a_solution():
