@@ -27,6 +27,9 @@ def _import_triton_for_this_machine():
 _import_triton_for_this_machine()
 # Every multi-process test builds CPU tensors: gloo ranks even on a machine with GPUs.
 os.environ.setdefault("MINITRON_BACKEND", "gloo")
+# One torch thread here too, as every rank has: on the tests' tiny tensors a second thread only
+# waits at each op's barrier for a core the ranks hold (tests/test_moe.py: 25 s of CPU, 20 s).
+torch.set_num_threads(1)
 
 _pools: dict[int, minitron.WorkerPool] = {}
 
