@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,7 @@ def torch_line(references: dict[Path, dict]) -> str | None:
 
 
 KERNEL_START_FAILED = "Kernel died before replying to kernel_info"
+PLUGIN = "minitron_grade_plugin"  # minitron/grade_plugin.py, as nbval's process imports it
 
 
 def _run_nbval(jobs: dict[Path, Path], workdir: Path, cell_timeout: int) -> tuple[dict, str]:
@@ -135,7 +137,10 @@ def _run_nbval(jobs: dict[Path, Path], workdir: Path, cell_timeout: int) -> tupl
     env = dict(os.environ, MINITRON_GRADE_RECORD=str(record), MINITRON_GRADE_CWD=json.dumps(
         {str(p.parent.resolve()): str(folder) for p, folder in jobs.items()}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COURSE), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", "minitron.grade_plugin",
+    # The plugin, copied beside the graded copies (cwd, on the path of `python -m`), is imported
+    # as a module of its own: as minitron.grade_plugin it would import the package, and torch.
+    shutil.copyfile(Path(__file__).with_name("grade_plugin.py"), workdir / f"{PLUGIN}.py")
+    cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", PLUGIN,
            "-p", "no:cacheprovider", "-q", f"--nbval-cell-timeout={cell_timeout}", *map(str, jobs)]
     done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
     output = done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""The pytest plugin `python -m minitron.grade` runs nbval with (`-p minitron.grade_plugin`).
+"""The pytest plugin that `python -m minitron.grade` runs nbval with.
 
 nbval says only "cell N failed" with a coloured diff. The grader needs to know, for every
 code cell, whether it passed and, if not, how: the exception the cell raised (name, message,
@@ -13,14 +13,24 @@ to the JSON file named by $MINITRON_GRADE_RECORD:
 It also starts each notebook's kernel in the folder named for it in $MINITRON_GRADE_CWD
 (a JSON map: folder of the graded copy -> folder of the learner's notebook), so relative
 paths behave as they did when the learner ran the notebook there.
+
+It imports nothing of minitron: the grader copies it beside the graded notebooks and loads it
+as a module of its own, so that nbval's process, which runs no cell, does not import the
+minitron package and with it torch (seconds per grading).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import sys
 
 import pytest
+
+# nbformat validates with jsonschema, which compiles a grammar for the "iri" string format at
+# import when rfc3987_syntax is installed: 2.5 s of CPU per grading, for a format no notebook
+# schema uses. Hide it before nbval imports nbformat (jsonschema then skips that format).
+sys.modules.setdefault("rfc3987_syntax", None)
 
 try:
     from nbval import plugin as _nbval

@@ -155,3 +155,16 @@ def test_a_kernel_that_died_starting_is_graded_again(tmp_path, monkeypatch):
     monkeypatch.setattr(grader, "KERNEL_START_FAILED", "a message nbval never prints")
     (g,) = grader.grade([right], solutions=tmp_path / "solutions", show=lambda line: None)
     assert len(calls) == 1 and not g.passed and "Kernel died" in g.summary, g.summary
+
+
+def test_nbval_process_is_spared_torch_and_the_iri_grammar():
+    # grade.py has nbval's process import the plugin by its file: not the minitron package
+    # (torch), and without the IRI grammar jsonschema compiles at import; seconds per grading.
+    # nbformat must still read and validate notebooks there.
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import nbformat, nbval.plugin; "
+            "nbformat.validate(nbformat.reads(open(sys.argv[2]).read(), as_version=4)); "
+            "print(sorted(m for m in ('torch', 'minitron', 'rfc3987_syntax') if sys.modules.get(m)))")
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "minitron" / "grade_plugin.py"),
+                           str(ROOT / "solutions" / "07_mixed_precision.ipynb")],
+                          cwd=ROOT / "tests", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

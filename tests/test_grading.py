@@ -1,16 +1,25 @@
 """`make grade` compares a learner's answers with the reference, whatever the learner's file holds.
 
 For every exercise, three learner notebooks are graded:
-  planted   the solution's answers except one planted wrong answer (tests/planted/NN_*.py),
-            executed and saved WITH ITS OWN OUTPUTS, as JupyterLab's autosave leaves it;
+  planted   the solution's answers except one planted wrong answer (tests/planted/NN_*.py), in a
+            file whose stored outputs would pass it if the grader believed them. For EXECUTED
+            (the cheapest exercise to run) the file is executed and saved WITH ITS OWN OUTPUTS,
+            as JupyterLab's autosave leaves it: nbval run on that file alone compares the wrong
+            answer's outputs with themselves and passes it. For the others the reference's own
+            outputs are pasted in (a copied solution, a stale save): right outputs in the file
+            do not make a wrong answer pass either. (That stored outputs play no part at all,
+            the graded copy being the same with them cleared, is shown for every exercise.)
   solved    the solution's answers, outputs cleared, and one check cell edited so that it
             would raise if it ran;
   unsolved  the exercise as shipped, outputs cleared.
 against a copy of the solutions whose torch stamp is a version no one has. Solving an exercise
 reproduces its solution notebook exactly, so `solved` passing is also the solution's own nbval run.
+All of them are graded in two runs of the grader side by side (a run starts nbval once; a
+notebook costs a kernel, torch's import and its own cells).
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import pathlib
@@ -27,6 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAMES = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
 PLANTED = ROOT / "tests" / "planted"
 OTHER_TORCH = "0.0.1"  # no one has it: the grader must say it differs
+EXECUTED = "07_mixed_precision.ipynb"  # the planted notebook run and saved with its own outputs
+KINDS = ("planted", "solved", "unsolved")
 
 
 def planted(name: str):
@@ -35,6 +46,10 @@ def planted(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def code_cells(nb: dict) -> list[dict]:
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
 
 
 def answer_ids(nb: dict) -> list[str]:
@@ -67,8 +82,17 @@ def run_and_save(nb: dict, path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def with_outputs_of(nb: dict, reference: dict) -> dict:
+    """A copy holding, in every code cell, the reference's stored outputs for the same cell id."""
+    nb, stored = copy.deepcopy(nb), {c.get("id"): c for c in code_cells(reference)}
+    for cell in code_cells(nb):
+        ref = stored[cell["id"]]
+        cell["outputs"], cell["execution_count"] = copy.deepcopy(ref["outputs"]), ref["execution_count"]
+    return nb
+
+
 def _prepare(name: str, tmp: pathlib.Path) -> dict:
-    """The three learner notebooks of one exercise (the planted one still to be run)."""
+    """The three learner notebooks of one exercise (EXECUTED's planted one still to be run)."""
     solution = json.loads((ROOT / "solutions" / name).read_text())
     exercise = json.loads((ROOT / "exercises" / name).read_text())
     missing = set(answer_ids(solution)) - {c.get("id") for c in exercise["cells"]}
@@ -80,20 +104,24 @@ def _prepare(name: str, tmp: pathlib.Path) -> dict:
     next(c for c in solved["cells"] if c.get("id") == edited["id"])["source"] = (
         'raise RuntimeError("the learner\'s edited check cell ran")\n')
     grader.stamp(save(solution, tmp / "solutions" / name), OTHER_TORCH)
+    planted_nb, planted_path = with_answers(exercise, solution, wrong.WRONG), tmp / "planted" / name
+    if name != EXECUTED:
+        save(with_outputs_of(planted_nb, solution), planted_path)
     return dict(solution=solution, planted=wrong, edited=edited["id"], files={
-        "planted": tmp / "planted" / name,
+        "planted": planted_path,
         "solved": save(solved, tmp / "solved" / name),
         "unsolved": save(cleared(exercise), tmp / "unsolved" / name)},
-        to_run=with_answers(exercise, solution, wrong.WRONG))
+        to_run=planted_nb if name == EXECUTED else None)
 
 
-def _grade(runs: dict[str, dict], kinds: tuple[str, ...], solutions: pathlib.Path) -> None:
-    """Grade these kinds of notebook of every exercise in one run of the grader."""
-    jobs = [(run, kind) for run in runs.values() for kind in kinds]
-    before, lines = [run["files"][kind].read_bytes() for run, kind in jobs], []
-    grades = grader.grade([run["files"][kind] for run, kind in jobs], solutions=solutions,
+def _grade(runs: dict[str, dict], jobs: list[tuple[str, str]], solutions: pathlib.Path) -> None:
+    """Grade these (exercise, kind) notebooks in one run of the grader."""
+    before = [runs[name]["files"][kind].read_bytes() for name, kind in jobs]
+    lines = []
+    grades = grader.grade([runs[name]["files"][kind] for name, kind in jobs], solutions=solutions,
                           show=lambda line: (lines.append(line), print(line)))  # shown with -s
-    for (run, kind), g, b in zip(jobs, grades, before):
+    for (name, kind), g, b in zip(jobs, grades, before):
+        run = runs[name]
         run.setdefault("grades", {})[kind] = g
         run.setdefault("before", {})[kind] = b
         run.setdefault("output", {})[kind] = lines
@@ -108,17 +136,22 @@ def _selected(request) -> list[str]:
 
 @pytest.fixture(scope="module")
 def graded(request, tmp_path_factory):
-    """name -> its three graded notebooks. One grader run for the solved and unsolved notebooks
-    of every exercise goes on in a thread while the planted ones are executed and saved; a
-    second grades those. (Starting nbval costs seconds: nbformat's schema imports are slow.)"""
+    """name -> its three graded notebooks. Two runs of the grader, one per core, take the
+    notebooks alternately (half of every kind each); the one in a thread starts at once,
+    the main thread's once EXECUTED's planted notebook has been executed and saved."""
     tmp = tmp_path_factory.mktemp("grading")
     runs = {name: _prepare(name, tmp) for name in _selected(request)}
+    jobs = [(name, kind) for name in runs for kind in KINDS]
+    mine, other = jobs[0::2], jobs[1::2]
+    if (EXECUTED, "planted") in other:
+        mine, other = other, mine
     with ThreadPoolExecutor(1) as pool:
-        fixed = pool.submit(_grade, runs, ("solved", "unsolved"), tmp / "solutions")
+        done = pool.submit(_grade, runs, other, tmp / "solutions")
         for run in runs.values():
-            run_and_save(run["to_run"], run["files"]["planted"])
-        _grade(runs, ("planted",), tmp / "solutions")
-        fixed.result()
+            if run["to_run"] is not None:
+                run_and_save(run["to_run"], run["files"]["planted"])
+        _grade(runs, mine, tmp / "solutions")
+        done.result()
     return runs.__getitem__
 
 
@@ -127,6 +160,7 @@ def test_every_exercise_has_a_planted_wrong_answer():
     missing = [n for n in NAMES if not (PLANTED / (pathlib.Path(n).stem + ".py")).exists()]
     assert not missing, f"no planted wrong answer for {missing}: add tests/planted/<name>.py " \
                         "(format: tests/planted/README.md)"
+    assert EXECUTED in NAMES, f"EXECUTED = {EXECUTED!r} is no exercise: name the cheapest one"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -148,15 +182,14 @@ def test_saved_wrong_answer_fails_at_its_check(name, graded):
     assert f"FAIL at {fails_at}" in g.summary, g.summary
     assert not g.failures[0].stub, g.summary
     assert g.summary in run["output"]["planted"]
-    # the premise: at that check the file holds the learner's own outputs (nbval alone compared
-    # the file with itself, and passed it)
+    # the premise: at that check the file holds outputs that a grader believing them would pass
     n = g.failures[0].cell
-    saved = json.loads(run["files"]["planted"].read_text())
-    assert code_cells(saved)[n]["outputs"] != code_cells(run["solution"])[n]["outputs"]
-
-
-def code_cells(nb: dict) -> list[dict]:
-    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+    saved = code_cells(json.loads(run["files"]["planted"].read_text()))[n]["outputs"]
+    reference = code_cells(run["solution"])[n]["outputs"]
+    if name == EXECUTED:  # its own: nbval alone compared the file with itself, and passed it
+        assert saved and saved != reference
+    else:                 # the reference's own
+        assert saved == reference
 
 
 @pytest.mark.parametrize("name", NAMES)
