@@ -56,6 +56,7 @@ from .rank_output import append_only_file, capture_output, dumps_for_parent, rea
 DEFAULT_TIMEOUT = float(os.environ.get("MINITRON_TIMEOUT", "120"))
 _STATUS_LEN = 200
 _in_worker = False
+_ranks_import_dynamo = False   # a rank of an earlier launch imported torch._dynamo (below)
 
 
 class RankError(RuntimeError):
@@ -163,7 +164,7 @@ def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn
         payload = ("error", traceback.format_exc())
     sys.stderr.flush()
     try:
-        data = dumps_for_parent((*payload, out.getvalue()))
+        data = dumps_for_parent((*payload, out.getvalue(), "torch._dynamo" in sys.modules))
     except Exception as e:
         data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {e}",
                              out.getvalue()))
@@ -196,6 +197,8 @@ def _collect(ranks: list[_Rank], echo: bool, timeout: float) -> list[Any]:
     for r in ranks:
         r.process.join(10)
     _echo(ranks, replies, echo, failed=False)
+    global _ranks_import_dynamo
+    _ranks_import_dynamo |= any(reply[3:] == (True,) for reply in replies.values())
     return [replies[r.rank][1] for r in ranks]
 
 
@@ -287,9 +290,12 @@ def _pick_backend(world_size: int) -> str:
 
 
 def _import_before_forking() -> None:
-    """torch imports torch._dynamo lazily, at a rank's first optimizer or first int(tensor):
-    seconds of CPU in every forked rank of every launch. Imported once here, each rank inherits it."""
-    import torch._dynamo  # noqa: F401
+    """torch imports torch._dynamo lazily (at an optimizer's construction, under a dispatch
+    mode): 3 s of CPU in every forked rank of every launch that needs it. Once the ranks of a
+    launch have needed it, it is imported here, once, and the next launches' ranks inherit it;
+    a process whose ranks never need it never pays for it."""
+    if _ranks_import_dynamo:
+        import torch._dynamo  # noqa: F401
 
 
 def _check_can_fork(backend: str) -> None:
