@@ -187,7 +187,7 @@ def test_bad_pipeline_options_exit_2(capsys, argv, message):
 @pytest.mark.parametrize("argv,message", [
     (["--cp", "2", "--seq", "10"], "sequence length 10 is not divisible by 2*cp=4"),
     (["--cp", "4", "--cp-variant", "ulysses", "--kv-heads", "2"], "cp_variant='ulysses' gives each of the cp=4 ranks"),
-    (["--cp", "2", "--pp", "2"], "context parallelism inside pipeline stages is not built yet"),
+    (["--cp", "2", "--recompute", "selective"], "selective recomputation of context-parallel attention"),
 ])
 def test_bad_context_parallel_options_exit_2(capsys, argv, message):
     assert verify.main(["--tp", "1", *argv]) == 2
