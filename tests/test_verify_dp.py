@@ -23,6 +23,7 @@ CASES = {
     "dp2-tp2-sp": (ParallelConfig(dp=2, tp=2, sequence_parallel=True), None, torch.float32, None, 4),
     "dp2-pp2-1f1b": (ParallelConfig(dp=2, pp=2), None, torch.float32, (2, 4), 8),
     "dp4-zero3": (ParallelConfig(dp=4), 3, torch.float32, None, 4),
+    "dp1-zero3": (ParallelConfig(dp=1), 3, torch.float32, None, 2),   # unsharded: params = shard
     "dp2-tp2-sp-zero1": (ParallelConfig(dp=2, tp=2, sequence_parallel=True), 1, torch.float32, None, 4),
     "dp2-zero2-bf16": (ParallelConfig(dp=2), 2, torch.bfloat16, None, 4),
     "tp2-sp-fp16": (ParallelConfig(tp=2, sequence_parallel=True), None, torch.float16, None, 2),

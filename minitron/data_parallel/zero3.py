@@ -70,7 +70,16 @@ class _Unit:
         self.gathered = True
         self.contributions = {p: 0 for p in params}   # gradients in this step, per parameter
         self.reduced = 0                                # micro-batches reduce-scattered so far
+        # A group of one: the shard is the whole unit, so there is nothing to gather or free
+        # (once ZeroStage3 has re-homed the shard, the parameters become views of it).
+        self.sharded = n > 1
         self.free()
+
+    def share_shard(self) -> None:
+        """Unsharded (n = 1): make the shard the full buffer, the parameters views of it."""
+        self.full = self.shard
+        for p in self.params:
+            p.data = self.layout.view(self.full, p)
 
     def contribute(self, p: nn.Parameter, scale: float) -> None:
         """One more gradient of p is in .grad; once every parameter has one more than has been
@@ -82,13 +91,15 @@ class _Unit:
             self.free()
 
     def gather(self) -> None:
-        if self.gathered:
+        if self.gathered or not self.sharded:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         comm_async.all_gather(self.shard, self.group, out=self.full).wait()
         self.gathered = True
 
     def free(self) -> None:
+        if not self.sharded:
+            return
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -174,6 +185,8 @@ class ZeroStage3:
             n = u.shard.numel()
             u.shard, u.grad_shard = self.shards[offset:offset + n], self.grad_shards[offset:offset + n]
             offset += n
+            if not u.sharded:
+                u.share_shard()
         self.unit_of = {p: u for u in self.units for p in u.params}
         self._hooks = []
         for u in self.units:
