@@ -25,9 +25,11 @@ lab: setup
 	$(BIN)/jupyter lab $(ALLOW_ROOT) lessons/00_collectives.ipynb
 
 # The whole suite: unit and multi-process tests, every lesson and solution under nbval,
-# and every unsolved exercise shown to fail its grading.
+# and every unsolved exercise shown to fail its grading. Test files run whole on one of up to
+# four workers (pytest-xdist, one per CPU): a module's fixtures, such as the grading one, run
+# once, and the many tests that mostly wait on gloo overlap with the ones that compute.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 # Lesson 04's explorer in a real browser: JupyterLab + headless Chromium (selenium). Needs
 # `apt-get install chromium chromium-driver` (Debian/Ubuntu); fails, not skips, without them.
