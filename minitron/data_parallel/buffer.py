@@ -242,4 +242,6 @@ class GroupBuffer:
         """Wait for bucket b; ZeRO: put this rank's reduced 1/n where its optimizer reads it."""
         result = self.pending[b].wait()
         if self.stage >= 1:
-            self.owned_grads()[b].copy_(result)
+            kept = self.owned_grads()[b]
+            if kept.data_ptr() != result.data_ptr():   # n = 1, stage 1: already in place
+                kept.copy_(result)

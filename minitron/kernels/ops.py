@@ -337,7 +337,7 @@ def fused_adamw_step(param_fp32, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2,
     param_fp32.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    denom = exp_avg_sq.sqrt().div_(bc2_sqrt).add_(eps)   # one temporary, as torch.optim.AdamW
     param_fp32.addcdiv_(exp_avg, denom, value=-(lr / bc1))
     if model_param is not None:
         model_param.copy_(param_fp32)
