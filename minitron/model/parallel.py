@@ -124,9 +124,6 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: _Ctx):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        if cfg.recompute == "selective" and ctx.cp > 1:
-            raise ValueError("selective recomputation of context-parallel attention is not built: "
-                             "use recompute='full' or 'none' with cp > 1")
         hd, tp = cfg.head_dim, ctx.tp
         self.heads, self.kv_heads = cfg.n_heads // tp, cfg.kv_heads // tp   # this rank's
         self.qkv = ColumnParallelLinear(cfg.hidden, (cfg.n_heads + 2 * cfg.kv_heads) * hd, ctx.group,
