@@ -1,8 +1,8 @@
 """minitron: Megatron-LM's parallelism, small enough to read, checked against one device."""
-from .comm import CommCounter, Group
+from .runtime.comm import CommCounter, Group
 from .grid import Grid, ParallelConfig, build_grid, pad_vocab_size
-from .launch import RankError, launch
-from .pool import WorkerPool
+from .runtime.launch import RankError, launch
+from .runtime.pool import WorkerPool
 
 __version__ = "0.1.0"
 __all__ = ["CommCounter", "Group", "Grid", "ParallelConfig", "build_grid", "pad_vocab_size",

@@ -42,8 +42,8 @@ from itertools import product
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .comm import Group
+from .runtime import comm
+from .runtime.comm import Group
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest first
 CP_VARIANTS = ("ring", "allgather", "ulysses")

@@ -12,8 +12,9 @@ import textwrap
 
 import pytest
 
-from minitron import bench, bench_overlap
-from minitron.kernels import bench as kernels_bench, ops
+from minitron.bench import cli as bench_cli, overhead as bench, overlap as bench_overlap
+from minitron.bench import kernels as kernels_bench
+from minitron.kernels import ops
 from minitron.model.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
@@ -24,7 +25,7 @@ PATHS = {"ParallelGPT, tp=1": "1.10", "pipeline pp=1, 1f1b m=1": "1.05",
 
 def test_overhead_runs_and_reports(capsys, monkeypatch):
     monkeypatch.setattr(bench, "OVERHEAD_CONFIG", TINY)
-    assert bench.main(["overhead", "--repeats", "2", "--warmup", "0", "--batch", "2"]) == 0
+    assert bench_cli.main(["overhead", "--repeats", "2", "--warmup", "0", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     for label in ("machine:", "config:  ModelConfig(vocab_size=64,", "reference GPT", "wall ms",
                   "cpu ms", "ratio to reference"):
@@ -94,7 +95,7 @@ def test_overlap_figures_from_a_timeline():
 
 def test_overlap_runs_and_reports(capsys, monkeypatch):
     monkeypatch.setattr(bench, "OVERHEAD_CONFIG", TINY)
-    assert bench.main(["overlap", "--repeats", "1", "--buckets", "2", "--batch", "4"]) == 0
+    assert bench_cli.main(["overlap", "--repeats", "1", "--buckets", "2", "--batch", "4"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"all-reduce time hidden behind backward +\d+\.\d%   \(aim >= 80%: (met|NOT met); "
                      r"the steps ranged \d+-\d+%\)",
@@ -106,7 +107,7 @@ def test_overlap_runs_and_reports(capsys, monkeypatch):
 
 
 def test_unknown_command_shows_usage(capsys):
-    assert bench.main(["nonsense"]) == 2
+    assert bench_cli.main(["nonsense"]) == 2
     assert "usage: python -m minitron.bench" in capsys.readouterr().err
 
 

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from minitron import checkpoint
+from minitron.train import checkpoint
 from minitron.grid import ParallelConfig
-from minitron.launch import RankError
+from minitron.runtime.launch import RankError
 from minitron.model.config import ModelConfig
-from minitron.training import TrainingRun
+from minitron.train.engine import TrainingRun
 
 MCFG = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=4, n_heads=4, dropout=0.1)
 BATCH = 8

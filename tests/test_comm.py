@@ -1,4 +1,4 @@
-"""Every counted wrapper in minitron.comm: exact results on rank-valued tensors, exact bytes.
+"""Every counted wrapper in minitron.runtime.comm: exact results on rank-valued tensors, exact bytes.
 
 Rank r holds tensors filled from r, so every expected result is written down by hand:
 the sum over n ranks of r is n(n-1)/2, the max is n-1, and so on.
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitron import comm
-from minitron.comm import P2P, Group
+from minitron.runtime import comm
+from minitron.runtime.comm import P2P, Group
 
 F32 = 4  # bytes per float32
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from minitron import comm
+from minitron.runtime import comm
 from minitron.context_parallel import (VARIANTS, attention_flops_per_rank, chunk_ids,
                                        context_parallel_attention, imbalance, positions,
                                        ring_bytes, scores_per_rank, shard_sequence,
@@ -21,7 +21,7 @@ from minitron.context_parallel.blocks import Accumulator
 from minitron.context_parallel.measure import PeakBytes, saved_bytes
 from minitron.context_parallel.ulysses import torch_attention
 from minitron.grid import ParallelConfig, build_grid
-from minitron.testing import rel_err
+from minitron.verify.compare import rel_err
 
 TOL64 = 1e-12
 

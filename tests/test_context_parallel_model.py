@@ -12,7 +12,7 @@ import pytest
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
 from minitron.verify import run_rank
-from minitron.verify_checks import Report
+from minitron.verify.checks import Report
 
 BASE = dict(vocab_size=64, seq_len=16, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
 LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, n_kv_heads=2,

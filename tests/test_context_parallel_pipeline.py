@@ -12,7 +12,9 @@ mode that CP lacks is refused before any rank starts.
 """
 import pytest
 
-from minitron import comm, verify
+from minitron.runtime import comm
+from minitron import verify
+from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig, build_grid, validate_model
 from minitron.model import ModelConfig
 from minitron.pipeline import executor
@@ -106,5 +108,5 @@ def test_selective_recompute_with_cp_is_refused_before_any_rank_starts(capsys, m
     with pytest.raises(ValueError, match="selective recomputation of context-parallel attention"):
         validate_model(ParallelConfig(cp=2), ModelConfig(**BASE, recompute="selective"))
     monkeypatch.setattr(verify, "launch", lambda *a, **k: pytest.fail("a rank was started"))
-    assert verify.main(["--tp", "1", "--cp", "2", "--pp", "2", "--recompute", "selective"]) == 2
+    assert verify_cli.main(["--tp", "1", "--cp", "2", "--pp", "2", "--recompute", "selective"]) == 2
     assert "use recompute='full' or 'none' with cp > 1" in capsys.readouterr().err

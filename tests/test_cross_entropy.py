@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitron import comm
-from minitron.comm import single_group
+from minitron.runtime import comm
+from minitron.runtime.comm import single_group
 from minitron.grid import ParallelConfig, build_grid
 from minitron.tensor_parallel import cross_entropy as ce
 from minitron.tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                                      vocab_parallel_cross_entropy)
-from minitron.testing import rel_err
+from minitron.verify.compare import rel_err
 
 B, S, V = 2, 8, 64
 TOL_LOSS, TOL_GRAD = 1e-5, 1e-4

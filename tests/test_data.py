@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from minitron import data
+from minitron.train import data
 from minitron.data_parallel import local_rows
 from minitron.grid import ParallelConfig
 

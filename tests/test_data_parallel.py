@@ -4,7 +4,7 @@ buckets: one message per bucket per step, started while backward still runs.
 `dp_rank` is the per-rank body (test_zero.py uses it too): every rank builds the reference GPT,
 its ParallelGPT shard and the engine; runs its rows of the global batch in micro-batches;
 compares the data-parallel-reduced gradients, gathered over tp, with the reference's on the
-whole batch (minitron.verify_checks' float32 tolerance); then, as minitron.verify does, loads
+whole batch (minitron.verify.checks' float32 tolerance); then, as minitron.verify does, loads
 the reference's gradients into the engine and compares the updated weights with
 torch.optim.AdamW's (update tolerance). Every rank runs the (tiny) reference itself.
 """
@@ -12,16 +12,16 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from minitron import comm, comm_async
+from minitron.runtime import comm, comm_async
 from minitron.data_parallel import (DataParallel, gathered_grads, gathered_params, load_grads,
                                     wrap)
 from minitron.data_parallel.step import forward_backward, local_rows
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
 from minitron.model.convert import rules
-from minitron.precision import MasterWeightsAdamW, tolerance16
+from minitron.data_parallel.precision import MasterWeightsAdamW, tolerance16
 from minitron.verify import make_batch
-from minitron.verify_checks import float32_tolerance, grad_rows, update_rows
+from minitron.verify.checks import float32_tolerance, grad_rows, update_rows
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4)
 SEED, LR, EPS = 0, 1e-3, 1e-6

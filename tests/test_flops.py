@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitron import flops
-from minitron.memory import PRESETS, rank_params
+from minitron import flops as flops_cli
+from minitron.estimate import flops
+from minitron.estimate.memory import PRESETS, rank_params
 from minitron.model.config import ModelConfig
 from minitron.model.reference import GPT
-from minitron.recompute import checkpoint
+from minitron.model.recompute import checkpoint
 
 
 @pytest.mark.parametrize("name", ["gpt3-175b", "1t", "gpt2-medium"])
@@ -70,7 +71,7 @@ TINY = [ModelConfig(vocab_size=64, seq_len=16, hidden=32, n_layers=2, n_heads=4,
 
 def _counted(cfg, b, recompute):
     """Matmul FLOPs torch counts in one forward + backward of the reference GPT; with "full",
-    each block is run through minitron.recompute.checkpoint (recomputed in backward)."""
+    each block is run through minitron.model.recompute.checkpoint (recomputed in backward)."""
     model = GPT(cfg, seed=0).train()
     if recompute == "full":
         for block in model.layers:
@@ -94,10 +95,10 @@ def test_formula_equals_torch_flop_counter(cfg, recompute):
 
 
 def test_cli(capsys):
-    assert flops.main(["--model", "1t", "--batch", "3072", "--seconds", "100", "--gpus", "3072",
+    assert flops_cli.main(["--model", "1t", "--batch", "3072", "--seconds", "100", "--gpus", "3072",
                        "--peak", "312e12"]) == 0
     out = capsys.readouterr().out
     assert "FLOPs per iteration: 5.139e+19 (recompute=full)" in out
     assert re.search(r"MFU 0\.40\d+, HFU 0\.53\d+", out)
-    assert flops.main(["--model", "gpt5"]) == 2
+    assert flops_cli.main(["--model", "gpt5"]) == 2
     assert "unknown model 'gpt5'" in capsys.readouterr().err

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from minitron import grade as grader
+from minitron.grade import cli as grader
 from notebook_files import cleared, save
-from minitron.grade_report import code_cells, root_exception
+from minitron.grade.report import code_cells, root_exception
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 RANK_ERROR = """RankError: rank 0 raised:
 Traceback (most recent call last):
-  File "/work/main/minitron/launch.py", line 178, in _child_main
+  File "/work/main/minitron/runtime/launch.py", line 178, in _child_main
     payload = ("ok", fn(*args, **kwargs))
   File "/tmp/ipykernel_1/2.py", line 3, in ring_all_reduce
     raise NotImplementedError("your code here")
@@ -164,7 +164,7 @@ def test_nbval_process_is_spared_torch_and_the_iri_grammar():
     code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import nbformat, nbval.plugin; "
             "nbformat.validate(nbformat.reads(open(sys.argv[2]).read(), as_version=4)); "
             "print(sorted(m for m in ('torch', 'minitron', 'rfc3987_syntax') if sys.modules.get(m)))")
-    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "minitron" / "grade_plugin.py"),
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "minitron" / "grade" / "plugin.py"),
                            str(ROOT / "solutions" / "07_mixed_precision.ipynb")],
                           cwd=ROOT / "tests", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

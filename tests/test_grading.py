@@ -29,7 +29,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from minitron import grade as grader
+from minitron.grade import cli as grader
 from notebook_files import cleared, save
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from minitron import hf
+from minitron.train import hf
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model.config import ModelConfig
 from minitron.model.reference import GPT
@@ -77,7 +77,7 @@ def sharded_rank(family, cfg, pcfg):
     grid = build_grid(pcfg)
     ids = tokens(cfg)
     ours = hf.import_model(model, grid)
-    from minitron import comm
+    from minitron.runtime import comm
     with torch.no_grad():
         logits = comm.all_gather(ours(ids), grid.tp, dim=-1)
         want = model(ids).logits

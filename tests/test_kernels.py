@@ -10,7 +10,7 @@ key lengths with no tail (the unmasked path a GPU mostly takes) and forced
 rectangular tiles. With a GPU (and TRITON_INTERPRET unset) the same checks run
 compiled on CUDA, in 16-bit too.
 
-Every output buffer a kernel writes starts as NaN (ops.POISON), so an element
+Every output buffer a kernel writes starts as NaN (common.POISON), so an element
 no program instance wrote fails the comparison.
 """
 import os
@@ -28,8 +28,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from minitron.kernels import ops  # noqa: E402
-from minitron.testing import rel_err  # noqa: E402
+from minitron.kernels import common, ops  # noqa: E402
+from minitron.verify.compare import rel_err  # noqa: E402
 
 INTERPRET = ops.interpreting()
 _VALUE = os.environ["TRITON_INTERPRET"]
@@ -79,9 +79,9 @@ def assert_close(actual, expected, dtype, what, factor=1.0):
 
 @pytest.fixture(autouse=True)
 def poison():
-    ops.POISON = True
+    common.POISON = True
     yield
-    ops.POISON = False
+    common.POISON = False
 
 
 def check_op(op, reference, inputs, dtype, what, factor=1.0, grad_factor=None):
@@ -385,7 +385,7 @@ def test_vocab_parallel_cross_entropy_two_shards(device, use_kernel):
 
 
 def ce_errors(logits, targets, use_kernel):
-    """Worst relative error (see minitron.testing.rel_err) of the losses and of the gradient,
+    """Worst relative error (see minitron.verify.compare.rel_err) of the losses and of the gradient,
     through one shard and through two, against float64."""
     x = logits.double().requires_grad_()
     ref = F.cross_entropy(x, targets, reduction="none")
@@ -504,9 +504,9 @@ def test_available_and_use_triton_switch(monkeypatch):
 
 
 def test_poison_is_real():
-    ops.POISON = True
-    assert torch.isnan(ops.alloc((3,), torch.float32, "cpu")).all()
-    ops.POISON = False
+    common.POISON = True
+    assert torch.isnan(common.alloc((3,), torch.float32, "cpu")).all()
+    common.POISON = False
     with pytest.raises(AssertionError, match="non-finite"):
         assert_close(torch.full((3,), float("nan")), torch.zeros(3), torch.float32, "poisoned")
 

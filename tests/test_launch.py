@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import minitron
-from minitron import comm, deadline
-from minitron.comm import Group
+from minitron.runtime import comm, deadline
+from minitron.runtime.comm import Group
 
 SHORT = 3  # seconds: the collective timeout for the failure tests
 
@@ -285,7 +285,7 @@ def _running(pid: int) -> bool:
 
 
 def test_backend_can_be_chosen_by_environment(monkeypatch):
-    from minitron.launch import _pick_backend
+    from minitron.runtime.launch import _pick_backend
     monkeypatch.setenv("MINITRON_BACKEND", "gloo")
     assert _pick_backend(1) == "gloo"
     monkeypatch.setenv("MINITRON_BACKEND", "mpi")
@@ -298,7 +298,7 @@ def _cuda_free_results():
 
 
 def test_results_come_back_as_cpu_tensors():
-    from minitron.rank_output import dumps_for_parent
+    from minitron.runtime.rank_output import dumps_for_parent
     import pickle
     out = pickle.loads(dumps_for_parent(_cuda_free_results()))
     assert torch.equal(out["t"], torch.arange(3.0)) and out["nested"][0].dtype == torch.int64

@@ -10,12 +10,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minitron import comm
+from minitron.runtime import comm
 from minitron.grid import ParallelConfig, build_grid
 from minitron.tensor_parallel import layers, mappings
 from minitron.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding)
-from minitron.testing import rel_err
+from minitron.verify.compare import rel_err
 
 B, S, H, FFN, V = 2, 8, 16, 64, 32
 F32 = 4

@@ -9,8 +9,9 @@ import torch.distributed as dist
 
 from minitron.data_parallel.memory import formula_bytes
 from minitron.grid import ParallelConfig, build_grid
-from minitron.memory import PRESETS, Setup, estimate, main, rank_params
-from minitron.memory_formula import PAPER, layer_bytes
+from minitron.estimate.memory import PRESETS, Setup, estimate, rank_params
+from minitron.memory import main
+from minitron.estimate.activations import PAPER, layer_bytes
 from minitron.model.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
 

@@ -1,4 +1,4 @@
-"""minitron.memory_formula against the paper's Table 2 (Korthikanti et al., 2022) and against
+"""minitron.estimate.activations against the paper's Table 2 (Korthikanti et al., 2022) and against
 what a real ParallelGPT block saves for backward, measured with saved_tensors_hooks."""
 import re
 
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from minitron.context_parallel.measure import saved_bytes
 from minitron.grid import ParallelConfig, build_grid
-from minitron.memory_formula import MINITRON, PAPER, layer_bytes, layer_terms
+from minitron.estimate.activations import MINITRON, PAPER, layer_bytes, layer_terms
 from minitron.model.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
 

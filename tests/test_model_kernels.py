@@ -35,16 +35,16 @@ finally:
     if _SET_HERE:
         del os.environ["TRITON_INTERPRET"]
 
-from minitron import comm  # noqa: E402
+from minitron.runtime import comm  # noqa: E402
 from minitron.grid import ParallelConfig, build_grid  # noqa: E402
 from minitron.kernels import ops  # noqa: E402
 from minitron.model import GPT, ModelConfig, ParallelGPT  # noqa: E402
 from minitron.model.fused import kernels_problem  # noqa: E402
-from minitron.optim import FusedAdamW  # noqa: E402
+from minitron.data_parallel.optim import FusedAdamW  # noqa: E402
 from minitron.tensor_parallel.cross_entropy import (  # noqa: E402
     fused_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy)
 from minitron.verify import run_rank  # noqa: E402
-from minitron.verify_checks import pattern  # noqa: E402
+from minitron.verify.checks import pattern  # noqa: E402
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=2, use_kernels=True)
 LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
@@ -301,8 +301,8 @@ def test_cli_kernels_passes():
 
 
 def test_cli_kernels_rejects_float64(capsys):
-    from minitron import verify
-    assert verify.main(["--tp", "2", "--kernels", "--dtype", "float64"]) == 2
+    from minitron.verify import cli as verify_cli
+    assert verify_cli.main(["--tp", "2", "--kernels", "--dtype", "float64"]) == 2
     assert "use --dtype float32" in capsys.readouterr().err
 
 

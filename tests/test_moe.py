@@ -12,14 +12,14 @@ import dataclasses
 import pytest
 import torch
 
-from minitron import comm
+from minitron.runtime import comm
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model.config import ModelConfig
 from minitron.model.reference import GPT, init_weights
 from minitron.moe import MoE, ParallelMoE, check_moe_grid, imbalance, route
 from minitron.moe.experts import TP_DIM, shard_moe_state_dict
 from minitron.moe.router import apply_capacity, capacity, update_expert_bias
-from minitron.testing import rel_err
+from minitron.verify.compare import rel_err
 
 TOL = 1e-5
 CFG = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, n_experts=4,

@@ -5,6 +5,7 @@ Planted dispatch bugs (a wrong split size, an unpermute off by one) fail; bad op
 import pytest
 
 from minitron import verify
+from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
 from minitron.verify import Report, run_rank
@@ -55,5 +56,5 @@ def test_planted_dispatch_bug_fails(run_ranks, plant):
     (["--ep", "2", "--experts", "4", "--dtype", "bfloat16"], "verify experts in float32"),
 ])
 def test_bad_expert_options_exit_2(capsys, argv, message):
-    assert verify.main(argv) == 2
+    assert verify_cli.main(argv) == 2
     assert message in capsys.readouterr().err

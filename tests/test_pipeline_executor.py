@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from minitron import comm
+from minitron.runtime import comm
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig
 from minitron.model.convert import gather_state_dict, shard_state_dict
@@ -28,7 +28,7 @@ from minitron.pipeline.partition import PipelineGPT, check_placement
 from minitron.pipeline.schedules import make_schedule
 from minitron.tensor_parallel import weight_grad
 from minitron.verify import Report, make_batch, run_rank
-from minitron.verify_checks import pattern
+from minitron.verify.checks import pattern
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=4, n_heads=4, dropout=0.1)
 PP, M = 2, 4

@@ -52,8 +52,8 @@ from minitron.pipeline.actions import BW, B, W
 from minitron.pipeline.executor import run_schedule
 from minitron.pipeline.partition import PipelineGPT
 from minitron.verify import make_batch, reference_step
-from minitron.verify_checks import FLOOR, float32_tolerance
-from minitron.verify_plants import Plant
+from minitron.verify.checks import FLOOR, float32_tolerance
+from minitron.verify.plants import Plant
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 
@@ -204,7 +204,7 @@ def _reference(cfg: ModelConfig) -> dict:
 
 def disagreements(actual: dict, expected: dict, tol: float) -> list[str]:
     """Every tensor of `expected` that `actual` lacks or has beyond tol. The error is relative
-    to the tensor's largest entry, but for gradients never to less than verify_checks.FLOOR of
+    to the tensor's largest entry, but for gradients never to less than verify.checks.FLOOR of
     the largest gradient entry in the model (the verifier's rule, grad_rows: the key bias's
     gradient is zero up to rounding and has no scale of its own)."""
     out = [f"{k}: missing" for k in expected if k not in actual]
@@ -285,7 +285,7 @@ def test_torch_interleaved_with_one_stage_per_rank_warms_up_twice_as_long(run_ra
 
 def test_a_planted_executor_bug_is_caught_by_the_peer(run_ranks):
     """The test of the test: minitron's executor passing back the gradient it received instead
-    of dL/d(input) (verify_plants' pp-wrong-stage; only middle stages have one to pass, so
+    of dL/d(input) (verify.plants' pp-wrong-stage; only middle stages have one to pass, so
     interleaved, 4 stages) disagrees with torch's pipeline on every layer before that stage."""
     results = run_ranks(_peer_rank, "interleaved", 2, 4, CFG, "pp-wrong-stage", world_size=2)
     tol = float32_tolerance(CFG, BATCH, CFG.seq_len)

@@ -2,7 +2,7 @@
 training against a reference in the same precision, and a global gradient norm that counts
 every parameter once.
 
-16-bit tolerances (minitron.precision.tolerance16): gradients within C16 = 8 spacings eps16 of
+16-bit tolerances (minitron.data_parallel.precision.tolerance16): gradients within C16 = 8 spacings eps16 of
 the tensor's largest entry (bf16: 6.2e-2, fp16: 7.8e-3; measured at most 3.0 eps16), updated
 16-bit weights within verify's update bar beyond 2 spacings of the stored 16-bit weight (both
 sides update fp32 masters with the same gradients, so the masters agree to float32 rounding).
@@ -12,14 +12,14 @@ import math
 import pytest
 import torch
 
-from minitron import precision
+from minitron.data_parallel import precision
 from minitron.data_parallel import gathered_params, load_grads, wrap
 from minitron.data_parallel.step import forward_backward
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
-from minitron.precision import LossScaler, clip_coefficient, grad_norm, optimizer_step
+from minitron.data_parallel.precision import LossScaler, clip_coefficient, grad_norm, optimizer_step
 from minitron.verify import make_batch
-from minitron.verify_checks import float32_tolerance, update_rows
+from minitron.verify.checks import float32_tolerance, update_rows
 from test_data_parallel import BASE, EPS, LR, SEED, _failures, dp_rank, reference_grads
 
 

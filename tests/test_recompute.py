@@ -1,4 +1,4 @@
-"""Activation recomputation (minitron/recompute.py, ModelConfig.recompute) in ParallelGPT:
+"""Activation recomputation (minitron/model/recompute.py, ModelConfig.recompute) in ParallelGPT:
 the same loss and gradients as without it (dropout masks redrawn equal), and the bytes a
 layer saves for backward, counted with saved-tensor hooks, equal to the estimator's."""
 import dataclasses
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import minitron.recompute as recompute
+import minitron.model.recompute as recompute
 from minitron.context_parallel.measure import saved_bytes
 from minitron.grid import ParallelConfig, build_grid
-from minitron.memory import Setup, activation_bytes_per_layer
+from minitron.estimate.memory import Setup, activation_bytes_per_layer
 from minitron.model.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
 

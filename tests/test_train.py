@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from minitron import train
+from minitron.train import cli as train
 
 TINY = ["--steps", "6", "--hidden", "32", "--seq", "16", "--batch", "4", "--layers", "2",
         "--eval-every", "3", "--save-every", "3", "--sample", "20", "--lr", "1e-2"]

@@ -1,7 +1,7 @@
 """The verifier itself: it passes correct splits with a margin, and fails planted errors by name.
 
 Correct runs at tp 1, 2, 3, 4 and 8 (the tp 8 one is the shape that once failed falsely);
-planted errors (minitron.verify_plants.PLANTS): replicas drifting on rank 1, a 1% error in one
+planted errors (minitron.verify.plants.PLANTS): replicas drifting on rank 1, a 1% error in one
 update, one gradient, one logit; the float32 tolerances measured against a float64 reference;
 the command line.
 """
@@ -14,13 +14,15 @@ import sys
 import pytest
 import torch
 
-from minitron import comm, verify
+from minitron.runtime import comm
+from minitron import verify
+from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT
 from minitron.model.convert import grads_state_dict, rules
-from minitron.testing import rel_err
+from minitron.verify.compare import rel_err
 from minitron.verify import Report, Row, make_batch, reference_step, run_rank
-from minitron.verify_checks import C_SUM, EPS32, grad_rows, longest_sum, replica_rows
+from minitron.verify.checks import C_SUM, EPS32, grad_rows, longest_sum, replica_rows
 
 SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
 LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False)
@@ -155,11 +157,11 @@ def test_cli_passes_on_tp2_sp_and_shows_margins():
 def test_cli_planted_drift_exits_1(capsys):
     """main() in this process (the tests above and below run `python -m minitron.verify` itself):
     no interpreter, torch or minitron to start twice."""
-    assert verify.main(["--tp", "2", "--steps", "1", "--plant", "replica-drift"]) == 1
+    assert verify_cli.main(["--tp", "2", "--steps", "1", "--plant", "replica-drift"]) == 1
     out = capsys.readouterr().out
     assert "differs between tp ranks 0 and 1" in out.strip().splitlines()[-1], out
     with pytest.raises(SystemExit) as help_exit:
-        verify.main(["--help"])
+        verify_cli.main(["--help"])
     assert help_exit.value.code == 0
     assert "--plant" not in capsys.readouterr().out   # hidden
 
@@ -168,7 +170,7 @@ def test_expert_parallel_without_experts_exits_2(capsys):
     """Every dimension is built (the MoE runs are in tests/test_moe_verify.py); --ep alone has
     nothing to split."""
     assert verify.UNBUILT == {}
-    assert verify.main(["--ep", "2"]) == 2
+    assert verify_cli.main(["--ep", "2"]) == 2
     assert "but the model has none" in capsys.readouterr().err
 
 
@@ -180,7 +182,7 @@ def test_expert_parallel_without_experts_exits_2(capsys):
     (["--pp", "2", "--microbatches", "4", "--batch", "6"], "--batch 6 cannot be cut into 4 equal"),
 ])
 def test_bad_pipeline_options_exit_2(capsys, argv, message):
-    assert verify.main(["--tp", "1", *argv]) == 2
+    assert verify_cli.main(["--tp", "1", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -190,7 +192,7 @@ def test_bad_pipeline_options_exit_2(capsys, argv, message):
     (["--cp", "2", "--recompute", "selective"], "selective recomputation of context-parallel attention"),
 ])
 def test_bad_context_parallel_options_exit_2(capsys, argv, message):
-    assert verify.main(["--tp", "1", *argv]) == 2
+    assert verify_cli.main(["--tp", "1", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -215,17 +217,17 @@ def test_cli_passes_a_pipeline_schedule():
 
 
 def test_bad_config_fails_before_launching(capsys):
-    assert verify.main(["--tp", "2", "--hidden", "48", "--heads", "3"]) == 2
+    assert verify_cli.main(["--tp", "2", "--hidden", "48", "--heads", "3"]) == 2
     assert "n_heads=3 is not divisible by tp=2" in capsys.readouterr().err
-    assert verify.main(["--tp", "2", "--sp", "--seq", "9"]) == 2
+    assert verify_cli.main(["--tp", "2", "--sp", "--seq", "9"]) == 2
     assert "sequence length 9 is not divisible" in capsys.readouterr().err
-    assert verify.main(["--tp", "1", "--sp"]) == 2
+    assert verify_cli.main(["--tp", "1", "--sp"]) == 2
     assert "needs tp > 1" in capsys.readouterr().err
 
 
 def test_unknown_option_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_:
-        verify.main(["--tensor", "2"])
+        verify_cli.main(["--tensor", "2"])
     assert exit_.value.code == 2
     assert "unrecognized arguments: --tensor" in capsys.readouterr().err
 
@@ -244,7 +246,7 @@ def test_report_verdicts():
 @pytest.mark.parametrize("option", ["--steps", "--batch"])
 def test_steps_and_batch_must_be_positive(capsys, option):
     with pytest.raises(SystemExit) as exit_:
-        verify.main([option, "0"])
+        verify_cli.main([option, "0"])
     assert exit_.value.code == 2
     assert f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
 

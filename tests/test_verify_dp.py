@@ -1,4 +1,4 @@
-"""The verifier's data-parallel, ZeRO and 16-bit paths (minitron/verify_steps.py).
+"""The verifier's data-parallel, ZeRO and 16-bit paths (minitron/verify/steps.py).
 
 Each case runs verify's per-rank body (run_rank) on the test pool, tiny shapes, dropout on: every
 dp rank takes its own rows of the global batch, and logits, loss, dL/dX, every reduced gradient
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from minitron import verify
+from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
 from minitron.pipeline.schedules import make_schedule
-from minitron.precision import tolerance16
+from minitron.data_parallel.precision import tolerance16
 from minitron.verify import Report, run_rank
 
 SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
@@ -83,5 +84,5 @@ def test_data_parallel_plants_fail(run_ranks, name, plant, caught):
                                                          "parallelism and ZeRO in float32"),
 ])
 def test_bad_data_parallel_options_exit_2(capsys, argv, message):
-    assert verify.main(["--tp", "1", *argv]) == 2
+    assert verify_cli.main(["--tp", "1", *argv]) == 2
     assert message in capsys.readouterr().err

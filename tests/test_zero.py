@@ -5,20 +5,20 @@ batch at the float32 bar, updated weights against torch.optim.AdamW at the updat
 Memory: every stage's per-rank bytes of parameters, gradients and optimizer state, measured
 from the storages a bf16 model with fp32 master weights holds after a step, equal the ZeRO
 paper's formulas exactly (Ψ = 29,824 parameters, which every bucket and unit divides by N).
-Traffic: the data-parallel wire bytes of a step, counted by minitron.comm, equal the formulas.
+Traffic: the data-parallel wire bytes of a step, counted by minitron.runtime.comm, equal the formulas.
 Peers: torch's ZeroRedundancyOptimizer (ZeRO-1) and FSDP2's fully_shard (ZeRO-3).
 """
 import pytest
 import torch
 
-from minitron import comm
+from minitron.runtime import comm
 from minitron.data_parallel import (DataParallel, ZeroOptimizer, ZeroStage3, formula_bytes,
                                     gathered_params, measure, traffic_wire_bytes, wrap)
 from minitron.data_parallel.step import forward_backward
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT
 from minitron.verify import make_batch
-from minitron.verify_checks import update_err, update_tolerance
+from minitron.verify.checks import update_err, update_tolerance
 from test_data_parallel import BASE, EPS, LR, SEED, _failures, dp_rank
 
 CASES = {

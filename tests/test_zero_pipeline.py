@@ -12,7 +12,7 @@ gathered 2m times, always to the same values.
 import pytest
 import torch
 
-from minitron import comm
+from minitron.runtime import comm
 from minitron.data_parallel import (ZeroOptimizer, ZeroStage3, formula_bytes, local_rows, measure,
                                     traffic_wire_bytes)
 from minitron.grid import ParallelConfig, build_grid
@@ -21,7 +21,7 @@ from minitron.pipeline.executor import run_schedule
 from minitron.pipeline.partition import PipelineGPT
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, make_batch, run_rank
-from minitron.verify_steps import check_data_parallel
+from minitron.verify.steps import check_data_parallel
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4)
 M = 4            # micro-batches

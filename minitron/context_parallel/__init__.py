@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Group
+from ..runtime.comm import Group
 from ..kernels import ops
 from .allgather import allgather_attention
 from .ring import ring_attention, ring_bytes

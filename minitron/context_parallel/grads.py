@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm
-from ..comm import Group
+from ..runtime import comm
+from ..runtime.comm import Group
 
 
 def average_grads_over_cp(module: nn.Module, group: Group) -> None:

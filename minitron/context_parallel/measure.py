@@ -9,7 +9,7 @@ Two memory measures, both on any device (no CUDA allocator statistics needed):
                 sees each operation's outputs, and liveness is read from weak references
                 (a storage is alive while any tensor viewing it is).
 
-Traffic comes from minitron.comm's counters (comm.counting()).
+Traffic comes from minitron.runtime.comm's counters (comm.counting()).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ the queries live. The running dK, dV travel in float32 (float64 for float64 inpu
     backward bytes per rank = (cp - 1) * 2 * b * h_kv * (s/cp) * d * element size   (K, V)
                             +  cp      * 2 * b * h_kv * (s/cp) * d * 4 (or 8)          (dK, dV)
 
-The messages go through minitron.comm's counters (comm.exchange's accounting; `post` below
+The messages go through minitron.runtime.comm's counters (comm.exchange's accounting; `post` below
 is its non-blocking twin), so tests compare the bytes with these formulas.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..comm import P2P, Group
+from ..runtime import comm
+from ..runtime.comm import P2P, Group
 from .blocks import Accumulator, BlockMath, block_pairs
 from .sharding import chunk_ids, positions
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..comm import Group
+from ..runtime import comm
+from ..runtime.comm import Group
 
 LAYOUTS = ("zigzag", "contiguous")
 

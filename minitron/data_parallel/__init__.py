@@ -8,7 +8,7 @@
     memory.py   per-rank bytes measured, and the ZeRO formulas for memory and traffic
     checks.py   whole tensors rebuilt from shards, for comparisons with the reference
 
-One training step (every rank runs it; minitron.precision has the mixed-precision parts):
+One training step (every rank runs it; minitron.data_parallel.precision has the mixed-precision parts):
 
     model = ParallelGPT(cfg, grid).to(torch.bfloat16)       # 16-bit weights, before wrapping
     engine = DataParallel(model, grid, zero_stage=1)        # 0, 1, 2; or ZeroStage3(model, grid)

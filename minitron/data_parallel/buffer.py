@@ -27,7 +27,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from .. import comm, comm_async
+from ..runtime import comm, comm_async
 
 
 @dataclasses.dataclass

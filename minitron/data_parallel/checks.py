@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm
+from ..runtime import comm
 
 
 def _group(engine, p: nn.Parameter):

@@ -58,7 +58,7 @@ import time
 import torch
 import torch.nn as nn
 
-from .. import comm, comm_async
+from ..runtime import comm, comm_async
 from ..grid import Grid
 from ..pipeline.actions import Event
 from .buffer import GroupBuffer

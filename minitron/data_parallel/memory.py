@@ -14,7 +14,7 @@ The formulas (ZeRO paper, mixed-precision Adam, Ψ parameters, N data-parallel r
 Ψ here is the parameter count after each bucket (stage 3: each unit) is padded to a multiple
 of N (`engine.padded_numel`); on a model whose buckets already divide by N it is the model's.
 
-Traffic per step, wire bytes per rank (what a ring sends; minitron.comm counts it), m micro-batches:
+Traffic per step, wire bytes per rank (what a ring sends; minitron.runtime.comm counts it), m micro-batches:
     stages 0, 1, 2   2 (N-1)/N * 2Ψ      (all-reduce = reduce-scatter + all-gather), once: the
                                          micro-batches accumulate under no_sync
     stage 3          3m (N-1)/N * 2Ψ     (all-gather twice, reduce-scatter once, per micro-batch:

@@ -38,7 +38,7 @@ def forward_backward(model, engine, tokens: torch.Tensor, targets: torch.Tensor,
     """Forward and backward this rank's rows of (tokens, targets), the global batch; returns
     the loss (mean over this rank's tokens, unscaled). Call engine.finish_grad_sync() after.
 
-    `loss_scale` multiplies the loss before backward (fp16 loss scaling, minitron.precision)."""
+    `loss_scale` multiplies the loss before backward (fp16 loss scaling, minitron.data_parallel.precision)."""
     rows = local_rows(tokens.shape[0], engine.grid)
     b = rows.stop - rows.start
     if b % micro_batches:

@@ -34,7 +34,7 @@ class ZeroOptimizer:
     """AdamW on fp32 master weights of the owned elements; writes back the 16-bit weights.
 
     `step(grad_scale=s)` divides the gradients by s first (in fp32): loss scaling and
-    gradient clipping fold into it (minitron.precision)."""
+    gradient clipping fold into it (minitron.data_parallel.precision)."""
 
     def __init__(self, engine, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):

@@ -15,7 +15,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .. import comm, comm_async
+from ..runtime import comm, comm_async
 from ..grid import Grid
 from ..tensor_parallel import weight_grad
 from .buffer import FlatLayout, flatten_into

@@ -16,14 +16,14 @@ vocab_start + Vs). The same forward kernel produces that shard's partial
 statistics (max, sum-exp at that max, target logit if the target is in the
 shard, else 0); all-reducing the max, then the rescaled sum-exps and target
 logits, gives every rank the global M, log S and x_target - M
-(ops.global_softmax_stats). With one shard and identity all-reduces this is
+(common.global_softmax_stats). With one shard and identity all-reduces this is
 plain cross entropy.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .ops import alloc, global_softmax_stats, interpreting
+from .common import alloc, global_softmax_stats, interpreting
 
 
 @triton.jit

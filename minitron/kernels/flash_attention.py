@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .attention_configs import CONFIGS
-from .ops import alloc, interpreting
+from .common import alloc, interpreting
 
 LOG2E = 1.4426950408889634
 

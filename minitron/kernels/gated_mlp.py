@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import alloc
+from .common import alloc
 from .rmsnorm import rows_view
 
 SQRT_2_OVER_PI = 0.7978845608028654

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import alloc
+from .common import alloc
 from .rmsnorm import backward_programs, row_launch_config, rows_view
 
 

@@ -12,33 +12,21 @@ Every op here decides once per call which path to take:
 block that restores the previous setting on exit), so a benchmark or a test
 can compare the two paths on the same input.
 
-``POISON = True`` makes every buffer a kernel writes start out full of NaN, so
-an element a kernel forgets to write shows up in the comparison instead of
-silently holding whatever the allocator left there.
+``common.POISON = True`` makes every buffer a kernel writes start out full of NaN
+(common.py: what ops.py and the kernel files share, imported by both, importing neither).
 
 Kernel modules import triton at their top; they are imported here lazily, so
 ``import minitron.kernels`` works on a machine with no triton and no GPU.
 """
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
-POISON = False
+from .common import global_softmax_stats, interpreting
+
 _ENABLED = True
-
-
-def alloc(shape, dtype, device):
-    """Every kernel output goes through here (see POISON)."""
-    if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,20 +246,6 @@ def vocab_parallel_cross_entropy(logits_shard, targets, vocab_start,
                                     group_allreduce_max, group_allreduce_sum, ignore_index)
     return _VocabParallelCETorch.apply(logits_shard, targets, vocab_start,
                                        group_allreduce_max, group_allreduce_sum, ignore_index)
-
-
-def global_softmax_stats(row_max, sumexp, target_logit, allreduce_max, allreduce_sum):
-    """The two collectives of vocab-parallel cross entropy, shared by both paths.
-
-    From each shard's (row max, sum of exp at that max, target logit or 0) to the global
-    (M, log S, x_target - M), S = sum_j exp(x_j - M). All ranks agree on M first, so that
-    the sums of exp can be rescaled to it and added; the target logits are added raw
-    (one rank's value plus zeros: exact) and shifted by M only then."""
-    global_max = row_max.clone()
-    allreduce_max(global_max)
-    stats = torch.stack([sumexp * torch.exp(row_max - global_max), target_logit])
-    allreduce_sum(stats)
-    return global_max, torch.log(stats[0]), stats[1] - global_max
 
 
 class _VocabParallelCETorch(torch.autograd.Function):

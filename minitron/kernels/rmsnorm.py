@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import alloc
+from .common import alloc
 
 
 @triton.jit

@@ -34,7 +34,7 @@ class ModelConfig:
     init_std: float = 0.02
     rope_base: float = 10000.0
     use_kernels: bool = False     # fused Triton kernels where minitron.kernels provides them
-    # Activation recomputation in ParallelGPT (minitron/recompute.py): "full" keeps only each
+    # Activation recomputation in ParallelGPT (minitron/model/recompute.py): "full" keeps only each
     # layer's input and reruns the layer in backward; "selective" reruns only the attention
     # core (Korthikanti et al. 2022). Numerics unchanged; the reference GPT ignores it.
     recompute: str = "none"

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from .. import comm
+from ..runtime import comm
 from ..grid import Grid
 from ..moe.experts import TP_DIM as EXPERT_TP_DIM
 from .config import ModelConfig

@@ -30,7 +30,7 @@ activation is split across the group, which is how the RNG knows the region.
 
 ModelConfig(use_kernels=True) swaps in the fused Triton kernels (see fused.py).
 ModelConfig(recompute="full" | "selective") recomputes each block, or only its attention
-core, in backward (minitron/recompute.py), with the same dropout masks.
+core, in backward (minitron/model/recompute.py), with the same dropout masks.
 
 Context parallelism (grid.cp > 1, minitron/context_parallel): a rank's tokens are its cp rank's
 two zigzag chunks of every sequence (then, under SP, its 1/tp of those). Attention reaches the
@@ -57,7 +57,7 @@ from ..context_parallel.grads import average_grads_over_cp
 from ..grid import Grid, validate_model
 from ..kernels import ops   # imports no triton until a kernel first runs
 from ..moe.layer import ParallelMoE, check_moe_grid
-from ..recompute import checkpoint
+from .recompute import checkpoint
 from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                              vocab_parallel_cross_entropy)
 from ..tensor_parallel.grads import allreduce_sequence_parallel_grads

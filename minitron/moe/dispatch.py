@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..comm import Group
+from ..runtime import comm
+from ..runtime.comm import Group
 from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from .experts import GroupedExperts

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from .. import comm
+from ..runtime import comm
 from ..grid import Grid, ParallelConfig
 from ..tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher

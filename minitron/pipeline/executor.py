@@ -39,10 +39,10 @@ from fractions import Fraction
 
 import torch
 
-from .. import comm
+from ..runtime import comm
 from ..context_parallel import shard_sequence, unshard_sequence
 from ..grid import Grid, ParallelConfig, build_grid
-from ..launch import launch
+from ..runtime.launch import launch
 from ..model.config import ModelConfig
 from ..tensor_parallel import weight_grad
 from .actions import B, BW, COMPUTE, F, RECV_F, SEND_B, SEND_F, W, Action, Event, Schedule, Timeline
@@ -209,7 +209,7 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
 
     Call model.rng.reset(step seed) first, like any step; gradients accumulate into .grad and
     are finalized (tp sums, cp average, tied-embedding sums) before it returns. `plant` (tests): a
-    verify_plants.Plant whose pipeline faults to put in. track_memory=True measures the activation
+    verify.plants.Plant whose pipeline faults to put in. track_memory=True measures the activation
     memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0).
     A data-parallel replica passes its rows of the batch and `first_row`, where they start in
     the global batch (dropout masks are keyed by global row), and finalize_grads=False: its

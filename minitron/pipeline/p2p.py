@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from ..runtime import comm
 from ..grid import Grid
 from ..model.config import ModelConfig
 from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule

@@ -30,7 +30,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from .. import comm
+from ..runtime import comm
 from ..grid import Grid, validate_model
 from ..model.config import ModelConfig
 from ..model.convert import shard_state_dict, stage_layers

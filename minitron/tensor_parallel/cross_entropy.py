@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..comm import Group
+from ..runtime import comm
+from ..runtime.comm import Group
 from ..kernels import ops   # imports no triton until a kernel first runs
 
 

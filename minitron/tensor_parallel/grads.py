@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm
-from ..comm import Group
+from ..runtime import comm
+from ..runtime.comm import Group
 
 
 def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:

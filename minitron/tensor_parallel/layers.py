@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import Group
+from ..runtime.comm import Group
 from .weight_grad import linear   # F.linear, deferrable for zero-bubble schedules (weight_grad.py)
 from .mappings import (copy_to_tensor_model_parallel_region,
                        gather_from_sequence_parallel_region,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..comm import Group
+from ..runtime import comm
+from ..runtime.comm import Group
 
 SEQ_DIM = 1
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .model.config import ModelConfig
+from ..model.config import ModelConfig
 
 FAMILIES = ("gpt2", "llama")
 _LLAMA_TYPES = ("llama", "mistral")
@@ -152,8 +152,8 @@ def export_state_dict(ref_sd: dict, cfg: ModelConfig, family: str) -> dict:
 def import_model(hf_model, grid=None, placement=None, seed: int = 0):
     """A minitron model holding `hf_model`'s weights: the single-device GPT without a grid,
     else this rank's ParallelGPT (PipelineGPT when `placement` is given). No communication."""
-    from .model.convert import shard_state_dict
-    from .model.reference import GPT
+    from ..model.convert import shard_state_dict
+    from ..model.reference import GPT
     cfg = config_from_hf(hf_model.config)
     ref_sd = import_state_dict(hf_model.state_dict(), cfg, family_of(hf_model.config))
     dtype = next(hf_model.parameters()).dtype
@@ -162,10 +162,10 @@ def import_model(hf_model, grid=None, placement=None, seed: int = 0):
         model.load_state_dict(ref_sd)
         return model.to(dtype)
     if placement is None and grid.config.pp == 1:
-        from .model.parallel import ParallelGPT
+        from ..model.parallel import ParallelGPT
         model = ParallelGPT(cfg, grid, seed=seed)
     else:
-        from .pipeline.partition import PipelineGPT
+        from ..pipeline.partition import PipelineGPT
         model = PipelineGPT(cfg, grid, placement, seed=seed)
         placement = model.placement
     model.load_state_dict(shard_state_dict(ref_sd, cfg, grid, placement))
@@ -178,7 +178,7 @@ def export_model(model, hf_model_or_config, engine=None):
     cfg = model.cfg
     if hasattr(model, "grid"):
         from .checkpoint import local_weights
-        from .model.convert import gather_state_dict
+        from ..model.convert import gather_state_dict
         ref_sd = gather_state_dict(dict(local_weights(model, engine)), cfg, model.grid,
                                    getattr(model, "placement", None))
     else:

@@ -1,4 +1,4 @@
-"""Counting what minitron.comm sends: calls, payload bytes and ring wire bytes per
+"""Counting what minitron.runtime.comm sends: calls, payload bytes and ring wire bytes per
 (group, operation). `with comm.counting() as c:` counts exactly what its block sends;
 counters nest, and TOTAL counts everything this process has sent. The formulas for
 payload and wire bytes are in comm.py's docstring, next to the operations."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import ops
+from ..kernels import ops
 
 
 class FusedAdamW(torch.optim.Optimizer):

@@ -25,10 +25,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minitron import grade_report as report
-from minitron.grade_report import is_answer_cell, source  # noqa: F401  (tests use grade.*)
+from minitron.grade import report
+from minitron.grade.report import is_answer_cell, source  # noqa: F401  (tests use grade.*)
 
-COURSE = Path(__file__).resolve().parent.parent
+COURSE = Path(__file__).resolve().parents[2]   # the course: minitron/grade/cli.py -> the root
 MISSING_ANSWER = 'raise NotImplementedError("your notebook has no answer cell {id}: nothing to grade")\n'
 
 
@@ -127,7 +127,7 @@ def torch_line(references: dict[Path, dict]) -> str | None:
 
 
 KERNEL_START_FAILED = "Kernel died before replying to kernel_info"
-PLUGIN = "minitron_grade_plugin"  # minitron/grade_plugin.py, as nbval's process imports it
+PLUGIN = "minitron_grade_plugin"  # minitron/grade/plugin.py, as nbval's process imports it
 
 
 def _run_nbval(jobs: dict[Path, Path], workdir: Path, cell_timeout: int) -> tuple[dict, str]:
@@ -138,8 +138,8 @@ def _run_nbval(jobs: dict[Path, Path], workdir: Path, cell_timeout: int) -> tupl
         {str(p.parent.resolve()): str(folder) for p, folder in jobs.items()}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COURSE), env.get("PYTHONPATH")]))
     # The plugin, copied beside the graded copies (cwd, on the path of `python -m`), is imported
-    # as a module of its own: as minitron.grade_plugin it would import the package, and torch.
-    shutil.copyfile(Path(__file__).with_name("grade_plugin.py"), workdir / f"{PLUGIN}.py")
+    # as a module of its own: as minitron.grade.plugin it would import the package, and torch.
+    shutil.copyfile(Path(__file__).with_name("plugin.py"), workdir / f"{PLUGIN}.py")
     cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", PLUGIN,
            "-p", "no:cacheprovider", "-q", f"--nbval-cell-timeout={cell_timeout}", *map(str, jobs)]
     done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
@@ -235,7 +235,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no notebooks to grade")
     grades = grade(paths, args.solutions, args.cell_timeout, verbose=args.verbose)
     return 0 if all(g.passed for g in grades) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

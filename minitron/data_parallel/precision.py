@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
-from .model.convert import rules
+from ..runtime import comm
+from ..model.convert import rules
 
 # 16-bit comparisons (tests, verify --dtype): both sides round every op's output to 16 bits,
 # but in different places: a data-parallel rank sums the gradient over half the tokens and

@@ -1,4 +1,4 @@
-"""python -m minitron.bench overhead | overlap | kernels
+"""python -m minitron.bench overhead
 
 overhead: what the parallel machinery costs when there is nothing to split. The reference GPT
 and each parallel path at size one train on the same batch in the same process, one full step
@@ -30,11 +30,6 @@ and the process's CPU time, which the ratio uses: every path runs on one thread,
 is its work, while wall time also counts whatever else the machine runs meanwhile (on a shared
 2-core machine, easily 2x). The ratio is the median over rounds of path / reference within
 each round (`paired_ratio`), so a slow spell that hits a whole round cancels out.
-
-overlap: at dp=2 on the CPU (gloo), the share of the gradient all-reduce time hidden behind
-backward, from a measured timeline (minitron/bench_overlap.py).
-
-kernels: the fused Triton kernels' benchmark (minitron.kernels.bench), when it is installed.
 """
 from __future__ import annotations
 
@@ -43,18 +38,17 @@ import dataclasses
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 
-from .grid import ParallelConfig, build_grid
-from .launch import launch
-from .model.config import ModelConfig
-from .model.parallel import ParallelGPT
-from .model.reference import GPT
-from .context_parallel import shard_sequence
-from .verify import make_batch, parallel_step, reference_step
+from ..grid import ParallelConfig, build_grid
+from ..runtime.launch import launch
+from ..model.config import ModelConfig
+from ..model.parallel import ParallelGPT
+from ..model.reference import GPT
+from ..context_parallel import shard_sequence
+from ..verify import make_batch, parallel_step, reference_step
 
 TARGET = 1.10            # ParallelGPT at tp=1
 PATH_TARGET = 1.05       # the pipeline executor and the data-parallel engines on top of it
@@ -74,11 +68,11 @@ def _adamw(model: torch.nn.Module):
 
 def _paths(cfg: ModelConfig, batch: int, grid) -> dict:
     """label -> (target, or None for the reference; one training step), all from one reference."""
-    from .data_parallel import wrap
-    from .data_parallel.step import forward_backward
-    from .pipeline import make_schedule
-    from .pipeline.executor import run_schedule
-    from .pipeline.partition import PipelineGPT
+    from ..data_parallel import wrap
+    from ..data_parallel.step import forward_backward
+    from ..pipeline import make_schedule
+    from ..pipeline.executor import run_schedule
+    from ..pipeline.partition import PipelineGPT
 
     ref = GPT(cfg, seed=0)
     tokens, targets = make_batch(0, 0, batch, cfg.seq_len, cfg.vocab_size)
@@ -216,31 +210,3 @@ def paired_ratio(times: list[float], reference: list[float]) -> float:
     """median_i times[i] / reference[i]: round i ran both within a second or two, so a slow
     spell of the machine (another process, a frequency change) cancels out of each ratio."""
     return statistics.median(t / r for t, r in zip(times, reference))
-
-
-def kernels(argv: list[str]) -> int:
-    try:
-        from .kernels import bench as kernel_bench
-    except ImportError as e:
-        print(f"the kernel benchmarks are not installed (minitron.kernels.bench: {e})", file=sys.stderr)
-        return 1
-    return kernel_bench.run(argv) or 0
-
-
-def overlap(argv: list[str]) -> int:
-    from .bench_overlap import run
-    return run(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"overhead": overhead, "overlap": overlap, "kernels": kernels}
-    if not argv or argv[0] not in commands:
-        print(f"usage: python -m minitron.bench {{{','.join(commands)}}} [options]\n\n{__doc__}",
-              file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

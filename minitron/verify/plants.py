@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .grid import Grid
+from ..grid import Grid
 
 PLANTS = {
     "replica-drift": "after finalize_grads, tp rank 1 halves its norm weights' gradients",
@@ -131,14 +131,14 @@ class Plant:
         if self.kind != "cp-no-rescale":
             yield
             return
-        from .context_parallel.blocks import Accumulator
+        from ..context_parallel.blocks import Accumulator
         Accumulator.rescale = False
         try:
             yield
         finally:
             Accumulator.rescale = True
 
-    # ---- data-parallel engine faults (verify_steps asks, once the engine is built) ----
+    # ---- data-parallel engine faults (steps.py asks, once the engine is built) ----
     def engine(self, engine) -> None:
         if self.kind == "dp-bucket":
             _never_reduce_bucket(engine, 1)
@@ -168,7 +168,7 @@ class Plant:
 
 def _never_reduce_bucket(engine, b: int) -> None:
     """Bucket b's all-reduce is replaced by nothing: its gradients stay this rank's (times 1/dp)."""
-    from .comm_async import Pending
+    from ..runtime.comm_async import Pending
     gb = engine.buffers[0]
     if getattr(engine, "zero_stage", 3) != 0 or len(gb.layout.buckets) <= b:
         raise ValueError(f"plant dp-bucket needs plain data parallelism (--zero 0) and more than {b} "

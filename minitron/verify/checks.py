@@ -37,7 +37,7 @@ Replicas: a parameter that a group holds whole (norm weights, row-parallel biase
 positions on the tensor-parallel group; later every parameter on the data- and context-
 parallel groups, and the tied embedding on the pipeline's embedding group) must stay bitwise
 identical across that group, gradients and weights alike, or the ranks train different
-models. `replica_rows` all-gathers them (counted, through minitron.comm) and compares bytes.
+models. `replica_rows` all-gathers them (counted, through minitron.runtime.comm) and compares bytes.
 """
 from __future__ import annotations
 
@@ -47,11 +47,11 @@ import re
 
 import torch
 
-from . import comm
-from .grid import Grid
-from .model.config import ModelConfig
-from .model.convert import Rule, rules
-from .testing import rel_err
+from ..runtime import comm
+from ..grid import Grid
+from ..model.config import ModelConfig
+from ..model.convert import Rule, rules
+from .compare import rel_err
 
 EPS32 = torch.finfo(torch.float32).eps
 C_SUM = 4          # tol = C_SUM * sqrt(K) * eps32 for logits, loss, dL/dX, gradients

@@ -3,7 +3,7 @@
 Data parallelism starts each bucket's gradient all-reduce (or reduce-scatter) from a backward
 hook, the moment the bucket's last gradient is ready, and waits for all of them only after
 backward has finished: meanwhile autograd computes the earlier layers' gradients. These are
-minitron.comm's collectives with torch.distributed's `async_op=True`; they are counted
+minitron.runtime.comm's collectives with torch.distributed's `async_op=True`; they are counted
 exactly like the blocking ones (when they start), and a failure, which surfaces at `wait()`,
 names the rank, the operation and the group.
 

@@ -16,14 +16,14 @@ import contextlib
 
 import torch
 
-from . import comm
-from .data_parallel import DataParallel, ZeroOptimizer, ZeroStage3, forward_backward, local_rows
-from .grid import ParallelConfig, build_grid
-from .model.config import ModelConfig
-from .pipeline.executor import run_schedule
-from .pipeline.partition import PipelineGPT
-from .pipeline.schedules import make_schedule
-from .precision import optimizer_step
+from ..runtime import comm
+from ..data_parallel import DataParallel, ZeroOptimizer, ZeroStage3, forward_backward, local_rows
+from ..grid import ParallelConfig, build_grid
+from ..model.config import ModelConfig
+from ..pipeline.executor import run_schedule
+from ..pipeline.partition import PipelineGPT
+from ..pipeline.schedules import make_schedule
+from ..data_parallel.precision import optimizer_step
 
 
 def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, zero_stage: int) -> None:

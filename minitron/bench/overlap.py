@@ -27,13 +27,13 @@ import time
 
 import torch
 
-from . import comm
-from .grid import ParallelConfig, build_grid
-from .launch import launch
-from .model.config import ModelConfig
-from .model.parallel import ParallelGPT
-from .model.reference import GPT
-from .verify import make_batch
+from ..runtime import comm
+from ..grid import ParallelConfig, build_grid
+from ..runtime.launch import launch
+from ..model.config import ModelConfig
+from ..model.parallel import ParallelGPT
+from ..model.reference import GPT
+from ..verify import make_batch
 
 AIM = 0.80
 
@@ -74,8 +74,8 @@ def _alone(sizes: list[int], group, world) -> list[float]:
 
 
 def _overlap_rank(cfg: ModelConfig, batch: int, buckets: int, repeats: int) -> dict:
-    from .data_parallel import DataParallel
-    from .data_parallel.step import local_rows
+    from ..data_parallel import DataParallel
+    from ..data_parallel.step import local_rows
 
     grid = build_grid(ParallelConfig(dp=2))
     world = comm.Group("world", range(grid.world_size))
@@ -122,7 +122,7 @@ def timeline(step: dict, width: int = 56) -> list[str]:
 
 
 def run(argv: list[str] | None = None) -> int:
-    from .bench import OVERHEAD_CONFIG, machine
+    from .overhead import OVERHEAD_CONFIG, machine
 
     p = argparse.ArgumentParser(prog="python -m minitron.bench overlap")
     p.add_argument("--buckets", type=int, default=4, help="buckets the gradient buffer is cut into")

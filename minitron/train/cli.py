@@ -22,15 +22,16 @@ import time
 import numpy as np
 import torch
 
-from . import checkpoint, data, flops
-from .grid import ParallelConfig
-from .launch import RankError, launch
-from .model.config import ModelConfig
-from .model.convert import gather_state_dict
-from .model.reference import GPT
-from .pipeline.partition import check_placement
-from .pipeline.schedules import make_schedule
-from .training import TrainingRun, check_supported
+from . import checkpoint, data
+from ..estimate import flops
+from ..grid import ParallelConfig
+from ..runtime.launch import RankError, launch
+from ..model.config import ModelConfig
+from ..model.convert import gather_state_dict
+from ..model.reference import GPT
+from ..pipeline.partition import check_placement
+from ..pipeline.schedules import make_schedule
+from .engine import TrainingRun, check_supported
 
 
 class UsageError(ValueError):
@@ -59,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     a("--heads", type=int, default=4)
     a("--lr", type=float, default=3e-3)
     a("--seed", type=int, default=0)
-    a("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "data", "corpus.txt"))
+    a("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "data", "corpus.txt"))
     a("--out", default="runs/train")
     a("--eval-every", type=int, default=50)
     a("--save-every", type=int, default=100, help="0: no checkpoints")
@@ -240,7 +241,3 @@ def main(argv: list[str] | None = None) -> int:
     if sample:
         print("sample:", sample)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transform
 
 `checkpoint(fn, rng, *tensors)` is the one mechanism for both: fn runs under no_grad in the
 forward, only `tensors` are saved (through save_for_backward, so saved-tensor hooks count
-them: memory_formula's "layer input" for full, "Q, K, V" for selective), and backward reruns
+them: estimate/activations.py's "layer input" for full, "Q, K, V" for selective), and backward reruns
 fn with grad enabled and backpropagates through the rerun. Parameters' gradients accumulate
 during that inner backward, as in Megatron's reentrant CheckpointFunction.
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from .memory_formula import RECOMPUTE
-from .tensor_parallel.random import DropoutRNG
+from ..estimate.activations import RECOMPUTE
+from ..tensor_parallel.random import DropoutRNG
 
 
 def rng_site(rng: DropoutRNG) -> dict:

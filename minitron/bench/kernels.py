@@ -1,4 +1,4 @@
-"""Benchmark of the fused kernels on a GPU: python -m minitron.kernels.bench [--csv PATH]
+"""Benchmark of the fused kernels on a GPU: python -m minitron.bench kernels [--csv PATH]
 
 For each kernel at a few realistic sizes it times the Triton kernel, the same
 op in eager torch (the fallback in ops.py, or torch's own fused op where torch
@@ -23,12 +23,11 @@ import argparse
 import csv
 import datetime
 import os
-import sys
 import time
 
 import torch
 
-from . import ops
+from ..kernels import ops
 
 FIELDS = ["kernel", "direction", "shape", "dtype", "ms_triton", "ms_eager", "ms_compile", "achieved",
           "unit", "ceiling", "pct_of_ceiling", "vs_eager", "vs_compile", "baseline", "max_rel_err"]
@@ -60,7 +59,7 @@ def _inputs(*shapes, dtype, device, grad=False):
 
 
 NOTHING_TO_MEASURE = (
-    "minitron.kernels.bench: no CUDA GPU here (or TRITON_INTERPRET=1), so there is nothing "
+    "minitron.bench kernels: no CUDA GPU here (or TRITON_INTERPRET=1), so there is nothing "
     "meaningful to measure: CPU timings of interpreted kernels say nothing about GPU speed. "
     "Nothing was run.")
 
@@ -253,7 +252,7 @@ def _print(rows):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m minitron.kernels.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minitron.bench kernels", description=__doc__.split("\n")[0])
     p.add_argument("--csv", default=None, help="output CSV (default bench/results/kernels_<gpu>_<date>.csv)")
     p.add_argument("--only", nargs="*", default=None, help="kernel names to run")
     p.add_argument("--quick", action="store_true", help="one size per kernel")
@@ -264,10 +263,3 @@ def _parser():
                    help="stop starting new cases after this many seconds")
     return p
 
-
-def main(argv=None):
-    return run(sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,21 +24,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import comm
-from .context_parallel import shard_sequence, unshard_sequence
-from .data_parallel import gathered_grads, gathered_params, load_grads, local_rows, wrap
-from .grid import ParallelConfig, build_grid
-from .model.config import ModelConfig
-from .model.convert import gather_state_dict, grads_state_dict, shard_state_dict
-from .model.parallel import ParallelGPT
-from .moe.layer import check_moe_grid
-from .model.reference import GPT
-from .optim import FusedAdamW
-from .pipeline.executor import collect_outputs, run_schedule
-from .pipeline.partition import PipelineGPT
-from .precision import LossScaler, MasterWeightsAdamW, optimizer_step, tolerance16
-from .verify_checks import Row, float32_tolerance, grad_rows, replica_rows, sum_rows, update_rows
-from .verify_plants import Plant
+from ..runtime import comm
+from ..context_parallel import shard_sequence, unshard_sequence
+from ..data_parallel import gathered_grads, gathered_params, load_grads, local_rows, wrap
+from ..grid import ParallelConfig, build_grid
+from ..model.config import ModelConfig
+from ..model.convert import gather_state_dict, grads_state_dict, shard_state_dict
+from ..model.parallel import ParallelGPT
+from ..moe.layer import check_moe_grid
+from ..model.reference import GPT
+from ..data_parallel.optim import FusedAdamW
+from ..pipeline.executor import collect_outputs, run_schedule
+from ..pipeline.partition import PipelineGPT
+from ..data_parallel.precision import LossScaler, MasterWeightsAdamW, optimizer_step, tolerance16
+from .checks import Row, float32_tolerance, grad_rows, replica_rows, sum_rows, update_rows
+from .plants import Plant
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 BUCKET_NUMEL = 4096       # small: even the tiny default model fills several buckets
@@ -270,7 +270,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     `schedule` (a pipeline Schedule, see verify.pipeline_schedule): the model is cut into its
     stages and every step runs it with the pipeline executor; the batch is cut into its
     micro-batches. `zero` (0-3), dp > 1 or a 16-bit dtype: a data-parallel engine (module
-    docstring). `plant` (tests only, see verify_plants.PLANTS) puts a deliberate error in."""
+    docstring). `plant` (tests only, see plants.PLANTS) puts a deliberate error in."""
     grid = build_grid(pcfg)
     lead, seq, planted = grid.rank == 0, seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)

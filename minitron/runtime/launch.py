@@ -21,14 +21,14 @@ process only and returns every rank's result, gathered.
 Failures never hang:
   * a rank that raises makes `launch` raise `RankError` with that rank's traceback;
   * a rank that dies (killed, segfault, os._exit) is reported with its exit code and the
-    operation it was in (minitron.comm publishes that to the parent);
+    operation it was in (minitron.runtime.comm publishes that to the parent);
   * a collective that a peer never joins times out after `timeout` seconds inside the rank
     and comes back as the first case, naming rank and operation (gloo raises; nccl's
     watchdog aborts the rank instead, which comes back as the second case);
   * a run in which no rank makes progress for `timeout` seconds (plus a grace of a tenth, at
     least 2 s, that lets the case above report first) is stopped, naming the ranks still
     running and what each was doing. Progress is entering or leaving a collective, or using
-    the CPU (minitron/deadline.py): a long computation is never cut short, while a rank that
+    the CPU (minitron/runtime/deadline.py): a long computation is never cut short, while a rank that
     sleeps, waits on a lock or a queue, or blocks outside any collective is caught.
 """
 from __future__ import annotations

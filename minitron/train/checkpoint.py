@@ -28,7 +28,7 @@ renames the directory to `<path>` (one rename; DCP's FileSystemWriter already as
 system all ranks share). A rank killed mid-save leaves a `.partial` without a manifest, and the
 previous checkpoint untouched. A load checks the manifest, the model and every file's size and
 checksum before it reads a byte into the model: a bad checkpoint changes nothing.
-DCP's own plan exchange talks through torch.distributed directly, not minitron.comm (uncounted).
+DCP's own plan exchange talks through torch.distributed directly, not minitron.runtime.comm (uncounted).
 """
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from . import comm
-from .data_parallel.checks import gathered_params
-from .model.config import ModelConfig
+from ..runtime import comm
+from ..data_parallel.checks import gathered_params
+from ..model.config import ModelConfig
 from .checkpoint_planners import CheckpointError, PlacedLoadPlanner, PlacedSavePlanner
-from .model.convert import reference_shapes, rules, stage_rules
+from ..model.convert import reference_shapes, rules, stage_rules
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -1,0 +1,6 @@
+"""Estimators: what a configuration costs, predicted from shapes alone (no ranks, no tensors).
+
+activations.py  one layer's saved activation bytes per rank, term by term (Korthikanti et al.)
+memory.py       one rank's memory in a training step by component (python -m minitron.memory)
+flops.py        FLOPs of one iteration, tokens/s, MFU (python -m minitron.flops)
+"""

@@ -1,0 +1,217 @@
+"""Where one rank's memory goes in a training step, by component.
+
+For a model (a named preset or explicit sizes) and a configuration (tp, sp, pp, virtual
+chunks, schedule, dp, cp, micro-batch, sequence, ZeRO stage, recomputation, dtype) it
+predicts the bytes of the FIRST pipeline rank (it holds the embedding and, under 1F1B-like
+schedules, the most micro-batches in flight):
+
+  parameters, gradients, optimizer state
+      the rank's parameter count Ψ from the same rules that shard the model
+      (model/convert.py: tp splits, pipeline stages), times bytes per parameter, sharded
+      over dp by ZeRO stage as in the ZeRO paper (data_parallel/memory.py formula_bytes):
+      float32 keeps 4 (params) + 4 (grads) + 8 (Adam's two moments) bytes per parameter,
+      bfloat16/float16 mixed precision 2 + 2 + 12 (an fp32 master copy and two moments);
+  activations
+      activations.layer_bytes per layer (Korthikanti et al.'s terms; minitron's float32
+      accounting when dtype is float32) x the rank's layers x the micro-batches it keeps in
+      flight at its peak, which pipeline.check reads off the schedule (1F1B: pp; GPipe: m;
+      interleaved: its chunks' fractions); with full recomputation, plus the working set of the
+      one layer being recomputed. Context parallelism gives each rank s/cp tokens (its
+      queries still meet all s keys: the scores term is s/cp x s).
+
+`regather` counts sequence parallelism as Megatron runs it (the QKV and fc1 inputs kept as
+the rank's shard and all-gathered again in backward), Korthikanti et al.'s accounting;
+minitron keeps them gathered (the default here, what its model measures).
+
+Not counted: the embedding's and output layer's activations (the logits and the loss),
+temporary buffers, allocator fragmentation and the CUDA context: the total is a floor.
+Experts (ep) are not modelled yet: ep > 1 is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import torch
+
+from ..data_parallel.memory import formula_bytes
+from ..model.config import ModelConfig
+from ..model.convert import stage_rules
+from ..model.reference import Block, make_norm
+from ..pipeline.check import check
+from ..pipeline.schedules import SCHEDULES, make_schedule
+from .activations import MINITRON, PAPER, RECOMPUTE, layer_bytes, layer_terms
+
+_GPT2 = dict(vocab_size=50257, seq_len=1024, tie_embeddings=True)
+_MEGATRON = dict(vocab_size=51200, seq_len=2048, tie_embeddings=True)
+PRESETS = {
+    "gpt2-small": ModelConfig(hidden=768, n_layers=12, n_heads=12, **_GPT2),
+    "gpt2-medium": ModelConfig(hidden=1024, n_layers=24, n_heads=16, **_GPT2),
+    "gpt2-large": ModelConfig(hidden=1280, n_layers=36, n_heads=20, **_GPT2),
+    "gpt2-xl": ModelConfig(hidden=1600, n_layers=48, n_heads=25, **_GPT2),
+    "gpt3-175b": ModelConfig(hidden=12288, n_layers=96, n_heads=96, **_MEGATRON),
+    "1t": ModelConfig(hidden=25600, n_layers=128, n_heads=160, **_MEGATRON),   # Narayanan et al.
+}
+DTYPES = {"float32": (4, 4, 8, MINITRON), "bfloat16": (2, 2, 12, PAPER), "float16": (2, 2, 12, PAPER)}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)} "
+                         "or give --layers/--hidden/--heads")
+    return PRESETS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    tp: int = 1
+    sp: bool = False
+    regather: bool = False            # Megatron's SP: keep the QKV/fc1 inputs' shard, re-gather
+    pp: int = 1
+    virtual: int = 1
+    schedule: str | None = None       # default: 1f1b (interleaved when virtual > 1)
+    microbatches: int | None = None   # per iteration; default: pp
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    seq: int | None = None            # default: the model's seq_len
+    zero: int = 0
+    recompute: str = "none"
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    in_flight: float                 # micro-batches of a full stage alive at the peak
+    layers: int                      # layers on this rank
+    layer_activation_bytes: int      # one layer, one micro-batch
+    recompute_working_set: int       # full recompute: one layer's activations, rebuilt
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def components(self) -> dict[str, int]:
+        return {"parameters": self.params, "gradients": self.grads,
+                "optimizer state": self.optimizer, "activations": self.activations}
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """Every reference tensor's shape, from modules built on the meta device (no memory)."""
+    with torch.device("meta"):
+        block, norm = Block(cfg), make_norm(cfg)
+    shapes = {f"block.{k}": v.shape for k, v in block.state_dict().items()}
+    shapes |= {f"final_norm.{k}": v.shape for k, v in norm.state_dict().items()}
+    # nn.Embedding's normal_ init is slow to set up on meta: its two tables, by hand
+    shapes["embedding.word.weight"] = torch.Size((cfg.vocab_size, cfg.hidden))
+    shapes["embedding.position.weight"] = torch.Size((cfg.seq_len, cfg.hidden))
+    shapes["lm_head.weight"] = torch.Size((cfg.vocab_size, cfg.hidden))
+    return shapes
+
+
+def rank_params(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual: int = 1, pp_rank: int = 0) -> int:
+    """Parameters pipeline rank `pp_rank` holds on one tp rank (its stages' shards)."""
+    if cfg.n_experts:
+        raise ValueError("the estimator covers dense models: set n_experts=0")
+    n_stages = pp * virtual
+    stages = [s for s in range(n_stages) if s % pp == pp_rank]     # interleaved placement
+    shapes, total = _shapes(cfg), 0
+    for rule in stage_rules(cfg, stages, n_stages):
+        numel = sum(shapes[re.sub(r"^layers\.\d+\.", "block.", p)].numel() for p in rule.parts)
+        total += numel if rule.dim is None else numel // tp
+    return total
+
+
+def _validate(cfg: ModelConfig, su: Setup) -> None:
+    for name in ("tp", "pp", "virtual", "dp", "cp", "ep", "micro_batch"):
+        if type(getattr(su, name)) is not int or getattr(su, name) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {getattr(su, name)!r}")
+    if su.ep > 1:
+        raise ValueError("expert parallelism is not modelled by the estimator yet: use ep=1")
+    if su.zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {su.zero!r}")
+    if su.dtype not in DTYPES:
+        raise ValueError(f"dtype={su.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if su.recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={su.recompute!r}: choose one of {RECOMPUTE}")
+    if su.sp and su.tp == 1:
+        raise ValueError("sequence parallelism needs tp > 1: set tp >= 2 or drop sp")
+    if su.regather and not su.sp:
+        raise ValueError("regather (Megatron's all-gather again in backward) exists only under "
+                         "sequence parallelism: add sp or drop regather")
+    if cfg.n_layers % (su.pp * su.virtual):
+        raise ValueError(f"{cfg.n_layers} layers cannot be cut into pp*virtual={su.pp * su.virtual} "
+                         "equal stages: choose a divisor of the layer count")
+    seq = su.seq or cfg.seq_len
+    if seq % su.cp:
+        raise ValueError(f"context parallelism splits the {seq} tokens across cp={su.cp}: "
+                         f"choose a sequence length divisible by {su.cp}")
+
+
+def in_flight(su: Setup) -> float:
+    """Micro-batches (in full-stage units) pipeline rank 0 keeps alive at its peak."""
+    if su.pp == 1 and su.virtual == 1:
+        return 1.0                       # gradient accumulation: one micro-batch at a time
+    name = su.schedule or ("interleaved" if su.virtual > 1 else "1f1b")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return _schedule_peak(name, su.pp, su.microbatches or su.pp * (2 if su.virtual > 1 else 1),
+                          su.virtual)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_peak(name: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Checking a schedule simulates it (a second at pp=64): once per shape is enough."""
+    return float(check(make_schedule(name, pp, microbatches, virtual)).peak_activations[0])
+
+
+def activation_bytes_per_layer(cfg: ModelConfig, su: Setup) -> int:
+    """One layer, one micro-batch, on one rank (activations.py's terms; cp: s/cp tokens)."""
+    seq = su.seq or cfg.seq_len
+    precision = DTYPES[su.dtype][3]
+    kwargs = dict(sp=su.sp, regather=su.regather, recompute=su.recompute, precision=precision)
+    terms = layer_terms(su.micro_batch, seq // su.cp, cfg.hidden, cfg.n_heads, su.tp, **kwargs)
+    if "attention scores" in terms:      # s/cp queries against all s keys
+        terms["attention scores"] *= su.cp
+    return sum(terms.values())
+
+
+def estimate(cfg: ModelConfig, su: Setup = Setup()) -> Estimate:
+    """Predicted bytes on pipeline rank 0 (one tp, cp and dp rank of it)."""
+    _validate(cfg, su)
+    p_bytes, g_bytes, o_bytes, precision = DTYPES[su.dtype]
+    psi = rank_params(cfg, su.tp, su.pp, su.virtual)
+    padded = -(-psi // su.dp) * su.dp                 # ZeRO pads each rank's share equally
+    state = formula_bytes(padded if su.zero else psi, su.dp, su.zero, p_bytes, g_bytes, o_bytes)
+    layers = cfg.n_layers // su.pp                    # every rank holds L/pp (all its chunks)
+    per_layer = activation_bytes_per_layer(cfg, su)
+    alive = in_flight(su)
+    working = 0
+    if su.recompute == "full":
+        seq = su.seq or cfg.seq_len
+        working = layer_bytes(su.micro_batch, seq // su.cp, cfg.hidden, cfg.n_heads, su.tp,
+                              sp=su.sp, regather=su.regather, precision=precision)
+    activations = round(per_layer * layers * alive) + working
+    return Estimate(state.params, state.grads, state.optimizer, activations, alive, layers,
+                    per_layer, working)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:10.3f} GiB"
+
+
+def table(cfg: ModelConfig, su: Setup) -> str:
+    e = estimate(cfg, su)
+    lines = [f"{name:<17}{_gib(value)}" for name, value in e.components().items()]
+    lines.append(f"{'total':<17}{_gib(e.total)}")
+    detail = (f"activations: {e.layers} layers x {e.in_flight:g} micro-batches in flight x "
+              f"{e.layer_activation_bytes / 2**20:.2f} MiB per layer")
+    if e.recompute_working_set:
+        detail += f" + {e.recompute_working_set / 2**20:.2f} MiB recompute working set"
+    return "\n".join(lines + [detail])

@@ -1,0 +1,6 @@
+"""python -m minitron.grade (minitron/grade/cli.py)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,11 @@
+"""How ranks start, talk and fail: what every dimension is built on.
+
+launch.py       launch(fn, world_size=N): forked ranks (scripts, pytest, notebooks) or torchrun's
+pool.py         WorkerPool: ranks kept alive across launches (a notebook's repeated runs)
+deadline.py     the watchdog that tells a hang from a long computation
+rank_output.py  what ranks print, echoed in rank order; their stderr kept for a failure
+comm.py         every collective and send/recv, counted in calls and bytes (the only door to
+                torch.distributed)
+comm_async.py   the same collectives started now and waited for later (overlap)
+counting.py     the counters behind comm.counting()
+"""

@@ -1,0 +1,85 @@
+"""python -m minitron.verify --tp 2 --sp [--pp 2 --schedule zb-h1]: the split model against one device.
+
+Both models start from the same weights and the same dropout seed and see the same batches.
+Every step compares, on rank 0 after gathering the shards (for the comparison only): logits,
+loss, dL/dX (X = the input of the first block) and every weight gradient, each against the
+float32 rounding bar of minitron.verify.checks (C * sqrt(K) * eps32 for sums of K terms).
+Then both sides take one AdamW step on the same gradients, the reference's (each rank steps
+its shards: AdamW is elementwise), and every tensor's update w_new - w_old is compared with
+the reference's at the update's own scale. On every rank, the tensors a group holds whole
+(norm weights, row-parallel biases, positions under tp) must be bitwise identical across it,
+gradients and weights: the `replicas` rows, which name the tensor and ranks that differ.
+
+Prints one row per (step, quantity) with the worst relative error and its tolerance, the
+smallest margin (tolerance / error), then `PASS max_rel_err=...` (exit 0) or `FAIL ...`
+(exit 1). Gradients and updates are grouped by name with the layer index replaced by `*`
+(worst over the layers), covering every parameter.
+
+AdamW's eps defaults to 1e-6 here, not torch's 1e-8: a gradient entry at the float32 noise
+level (~1e-7 of its tensor's largest) counts as noise, not as a direction worth lr. (The check
+no longer depends on it: both sides step on the same gradients, so `--eps 1e-8` passes too.)
+
+`--pp`, `--virtual`, `--schedule` and `--microbatches` cut the model into pipeline stages
+(pipeline/partition.py) and run every step with the pipeline executor and the named schedule
+(pipeline/schedules.py): the same rows are compared, with the logits of every micro-batch and
+dL/dX collected from the stages that made them, every gradient and weight gathered across the
+stages, and the tied embedding's two copies (first and last stage) bitwise equal over the
+`embedding` group. The batch defaults to one sequence per micro-batch.
+
+`--recompute full|selective` makes the split model recompute every layer, or only its
+attention core, in backward (ModelConfig.recompute); the reference keeps everything.
+
+`--kernels` builds the split model with ModelConfig(use_kernels=True), so its norms, attention,
+MLP activations and loss run minitron.kernels' fused Triton kernels, and steps it with
+FusedAdamW; the reference keeps plain torch ops and torch.optim.AdamW, and the tolerances stay
+the same. Where the ranks run on the CPU (no GPU for each of them) it sets TRITON_INTERPRET=1
+before anything imports triton, so the kernels run in Triton's interpreter (slowly), and says
+so in the header.
+
+`--dp N` runs N data-parallel replicas (composing with --tp/--sp and --pp): each takes its own
+rows of the global batch (dropout masks are keyed by global row) and the engine of
+minitron.data_parallel averages the gradients, in buckets started from backward hooks; with
+`--zero 1|2|3` the gradients are reduce-scattered and ZeRO's ZeroOptimizer steps fp32 master
+weights of each rank's shard (stage 3 also shards the weights, gathered per layer, inside
+pipeline stages too: each pipeline rank shards its own stages). The logits
+and dL/dX are gathered back over dp, the loss averaged over dp: the rows are the whole batch's,
+compared with the reference on the whole batch. The gradients compared are the reduced ones,
+rebuilt from the shards (data_parallel.checks); replicas must stay bitwise equal over dp, the
+gradients under plain DP, the weights below stage 3. steps.py has the per-rank steps.
+
+`--dtype bfloat16|float16` runs both sides in that dtype with fp32 master weights (the split
+side through the data-parallel engine at any dp, the reference with precision.MasterWeightsAdamW);
+float16 scales the loss by a fixed 1024 on both sides. Both sides round every op to 16 bits in
+different places, so logits, loss, dL/dX and gradients are held to precision.tolerance16:
+C16 * eps16 = 8 * eps16 relative to the tensor's largest entry (bf16 6.2e-2, fp16 7.8e-3;
+measured at most about 3 eps16). Updates keep the float32 update bar beyond 2 spacings of the
+stored 16-bit weight: both sides step fp32 masters on the same gradients.
+
+`--experts N` makes the MLP of layers 0, k, 2k, ... (`--moe-every k`) a mixture of N experts
+(minitron/moe/: `--topk`, `--capacity-factor`, `--pre-softmax`, aux and z-loss coefficients),
+and `--ep E` spreads each layer's experts over E ranks (tp defaults to 1 then; with --tp > 1
+sequence parallelism is required). Expert-parallel ranks are data-parallel replicas of the
+dense layers, so they run through the data-parallel engine on their own rows (dp x ep of
+them): dense gradients averaged over dense_dp, expert gradients summed over dp_cp. The loss
+includes the routers' auxiliary losses on both sides; a `moe drops` row per step checks that a
+capacity factor dropped exactly the reference's (token, expert) pairs.
+
+`--cp C` cuts every sequence of the batch into 2C chunks and gives cp rank r chunks r and
+2C-1-r (zigzag: equal causal work, minitron/context_parallel); attention reaches the other
+ranks' keys and values by `--cp-variant` (ring, allgather, ulysses). A rank's loss is the mean
+over its tokens, so the loss is averaged over cp, logits and dL/dX are gathered back in token
+order (dL/dX divided by C), and gradients are averaged over cp (finalize_grads; with --dp the
+engine's average over dense_dp = dp x cp). With --pp every cp rank of a stage runs the schedule
+on its chunks of each micro-batch, and stages exchange s/cp tokens. Not yet with --ep or 16-bit
+dtypes.
+
+run.py launches the ranks (verify()), steps.py is each rank's step of both sides, checks.py the
+tolerances and rows, plants.py the planted bugs that show a check can fail, compare.py the
+relative-error helpers the tests and lessons share, cli.py the command line.
+"""
+from .checks import Report, Row
+from .run import pipeline_schedule, verify
+from .steps import make_batch, parallel_step, reference_step, run_rank
+
+__all__ = ["verify", "run_rank", "make_batch", "parallel_step", "reference_step",
+           "pipeline_schedule", "Report", "Row"]

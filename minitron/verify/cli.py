@@ -1,0 +1,166 @@
+"""python -m minitron.verify: the command line (what it compares: the package's docstring)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from ..grid import CP_VARIANTS, ParallelConfig, validate_model
+from ..model.config import CHOICES, ModelConfig
+from ..pipeline.schedules import SCHEDULES
+from . import __doc__ as VERIFY_DOC
+from .plants import Plant
+from .run import check_built, check_kernels_dtype, enable_kernels, pipeline_schedule, split_batch, verify
+from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE, check_data_parallel, uses_engine
+
+
+EXAMPLES = """examples:
+  python -m minitron.verify --tp 2 --sp
+  python -m minitron.verify --tp 2 --sp --norm rmsnorm --activation swiglu --position rope --kv-heads 2
+  python -m minitron.verify --tp 2 --sp --kernels      fused Triton kernels and FusedAdamW
+  python -m minitron.verify --tp 1 --cp 2              ring attention over 2 ranks (zigzag chunks)
+  python -m minitron.verify --tp 2 --sp --cp 2 --cp-variant ulysses
+  python -m minitron.verify --tp 1 --cp 2 --dp 2 --zero 1   context and data parallelism with ZeRO-1
+  python -m minitron.verify --tp 1 --cp 2 --pp 2 --schedule zb-h1 --microbatches 4   cp inside stages
+  python -m minitron.verify --tp 1 --pp 2 --schedule zb-h1 --microbatches 4
+  python -m minitron.verify --tp 2 --sp --pp 2 --schedule 1f1b --microbatches 4
+  python -m minitron.verify --tp 1 --pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8
+  python -m minitron.verify --tp 1 --dp 2               data parallel: each replica its rows
+  python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 Megatron's distributed optimizer
+  python -m minitron.verify --tp 1 --dp 4 --zero 3      parameters sharded too
+  python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4   ZeRO-3 in stages
+  python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
+  python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
+  python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
+  python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
+  python -m minitron.verify --ep 2 --dp 2 --experts 4
+
+exit status: 0 PASS, 1 FAIL, 2 bad options"""
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the examples kept line by line."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minitron.verify", description=VERIFY_DOC.split("\n")[0],
+                                epilog=EXAMPLES, formatter_class=_HelpFormatter)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default 2; 1 with --ep > 1)")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages' ranks)")
+    g.add_argument("--virtual", type=int, default=1, dest="virtual_pp",
+                   help="model chunks (stages) per pipeline rank: interleaved schedules")
+    g.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
+                   help="pipeline schedule (default with --pp > 1: 1f1b, interleaved with --virtual > 1; "
+                        "zb-v always has 2 chunks per rank)")
+    g.add_argument("--microbatches", type=_positive, default=None,
+                   help="micro-batches per step of a pipeline schedule (default 2 * pp)")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size: every sequence split "
+                   "over cp ranks (2*cp zigzag chunks)")
+    g.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring",
+                   help="how attention reaches the other cp ranks' keys and values")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size: replicas, each on its "
+                   "own rows of the batch")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage of the data-parallel engine (default: 0 where one runs)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size: the experts of each "
+                   "MoE layer spread over ep ranks (needs --experts; a replica of the dense layers)")
+    r = p.add_argument_group("run")
+    r.add_argument("--steps", type=_positive, default=3)
+    r.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
+                   default="float32", help="16-bit: fp32 master weights (see the module docstring)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
+    r.add_argument("--batch", type=_positive, default=None,
+                   help="sequences per step (default per dp replica: one per micro-batch with a "
+                        "pipeline, else 2)")
+    r.add_argument("--kernels", action="store_true",
+                   help="the split model uses minitron.kernels (fused Triton norms, attention, MLP "
+                        "activations, loss) and FusedAdamW; on CPU ranks through the Triton "
+                        "interpreter (TRITON_INTERPRET=1, set here; a few seconds at the default shape)")
+    r.add_argument("--recompute", choices=CHOICES["recompute"], default="none",
+                   help="activation recomputation in the split model (minitron/model/recompute.py): "
+                        "every layer (full) or the attention core (selective)")
+    r.add_argument("--plant", default=None, help=argparse.SUPPRESS)   # tests: plants.PLANTS
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--hidden", type=int, default=64)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: heads)")
+    m.add_argument("--seq", type=int, default=16)
+    m.add_argument("--vocab", type=int, default=128)
+    m.add_argument("--norm", choices=CHOICES["norm"], default="layernorm")
+    m.add_argument("--activation", choices=CHOICES["activation"], default="gelu")
+    m.add_argument("--position", choices=CHOICES["position"], default="learned")
+    m.add_argument("--dropout", type=float, default=0.1)
+    m.add_argument("--tie", action="store_true", help="tie the output layer to the embedding")
+    m.add_argument("--no-bias", action="store_true", help="no biases on the linear layers")
+    e = p.add_argument_group("experts")
+    e.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    e.add_argument("--topk", type=_positive, default=2, help="experts per token")
+    e.add_argument("--moe-every", type=_positive, default=1, help="layers 0, k, 2k, ... are MoE")
+    e.add_argument("--capacity-factor", type=float, default=None,
+                   help="tokens per expert and sequence = ceil(factor * seq * topk / experts); "
+                        "default dropless")
+    e.add_argument("--pre-softmax", action="store_true", help="softmax over all experts, then top-k")
+    e.add_argument("--aux-loss", type=float, default=0.01, help="Switch load-balancing coefficient")
+    e.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss coefficient")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
+        pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
+                              virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
+                              cp_variant=args.cp_variant)
+        check_built(pcfg)
+        sched = pipeline_schedule(pcfg, args.schedule, args.microbatches)
+        if sched is not None:
+            pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
+        batch = split_batch(args.batch, pcfg, sched, "--batch")
+        mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
+                           n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                           norm=args.norm, activation=args.activation, position=args.position,
+                           dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias,
+                           use_kernels=args.kernels, recompute=args.recompute,
+                           n_experts=args.experts, topk=args.topk, moe_every=args.moe_every,
+                           capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
+                           aux_loss_coeff=args.aux_loss, z_loss_coeff=args.z_loss)
+        validate_model(pcfg, mcfg)
+        Plant(args.plant)
+        dtype = getattr(torch, args.dtype)
+        check_data_parallel(pcfg, mcfg, dtype, args.zero, sched)
+        kernels = "kernels=off (plain torch ops)"
+        if args.kernels:
+            check_kernels_dtype(dtype)
+            kernels = enable_kernels(mcfg, pcfg.world_size)   # before anything imports triton
+    except (ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pipeline = "" if sched is None else (f"\nschedule={sched.name} microbatches={sched.microbatches} "
+                                         f"virtual={sched.virtual} stage_rank={sched.stage_rank}")
+    if uses_engine(pcfg, args.zero, dtype):
+        scale = f" loss_scale={FP16_LOSS_SCALE:g}" if dtype == torch.float16 else ""
+        pipeline += f"\ndata parallel: zero={args.zero or 0} bucket_numel={BUCKET_NUMEL}{scale}"
+    print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
+          f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
+    report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
+                    batch=batch, plant=args.plant, schedule=args.schedule,
+                    microbatches=args.microbatches, zero=args.zero)
+    print(report.table())
+    print(report.verdict())
+    return 0 if report.passed else 1

@@ -1,0 +1,115 @@
+"""verify(): launch the ranks of one configuration and compare both sides (see the package's docstring)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..grid import ParallelConfig, validate_model
+from ..model.config import ModelConfig
+from ..model.fused import check_kernels
+from ..pipeline.schedules import make_schedule
+from ..runtime.launch import DEFAULT_TIMEOUT, _pick_backend, launch
+from .checks import Report
+from .plants import Plant
+from .steps import check_data_parallel, run_rank
+
+
+# Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
+UNBUILT: dict[str, tuple[str, str]] = {}
+
+
+def check_built(pcfg: ParallelConfig) -> None:
+    for field, (what, issue) in UNBUILT.items():
+        if getattr(pcfg, field) > 1:
+            raise NotImplementedError(f"{what} is not built yet (issue: {issue}); "
+                                      f"set {field}=1")
+
+
+def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
+    """Make minitron.kernels runnable on the ranks launch() will start; say how they run.
+
+    Ranks on GPUs run the compiled kernels. Ranks on the CPU need Triton's interpreter, which
+    triton.jit picks when triton is first imported: so TRITON_INTERPRET=1 goes into this
+    process's environment here, before anything imports triton, and the forked ranks inherit
+    it. Raises ValueError (before any rank starts) where the kernels still cannot run.
+    """
+    if _pick_backend(world_size) == "nccl":
+        check_kernels(mcfg, torch.device("cuda"))
+        return "kernels=compiled Triton on the GPUs"
+    os.environ["TRITON_INTERPRET"] = "1"
+    check_kernels(mcfg, torch.device("cpu"))   # e.g. triton already imported without it
+    return ("kernels=Triton interpreter on the CPU (TRITON_INTERPRET=1 set by minitron.verify: "
+            "no GPU per rank)")
+
+
+def pipeline_schedule(pcfg: ParallelConfig, name: str | None = None,
+                      microbatches: int | None = None):
+    """The pipeline Schedule verify runs, or None for the plain step (pp = virtual = 1, no name).
+
+    Defaults: 1F1B (interleaved with virtual > 1), 2*pp micro-batches; ZB-V always has two
+    chunks per rank."""
+    if name is None and pcfg.pp == 1 and pcfg.virtual_pp == 1:
+        return None
+    name = name or ("interleaved" if pcfg.virtual_pp > 1 else "1f1b")
+    virtual = 2 if name == "zb-v" and pcfg.virtual_pp == 1 else pcfg.virtual_pp
+    return make_schedule(name, pcfg.pp, microbatches or 2 * pcfg.pp, virtual)
+
+
+def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
+           dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
+           batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+           plant: str | None = None, schedule: str | None = None,
+           microbatches: int | None = None, zero: int | None = None) -> Report:
+    """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
+
+    With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
+    is cut into pipeline stages and run by the pipeline executor (see pipeline_schedule);
+    `batch` defaults to one sample per micro-batch (2 without a pipeline), per dp replica.
+    `zero` (0-3; dp > 1 and 16-bit dtypes too) steps through a data-parallel engine.
+    With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
+    (see enable_kernels).
+    """
+    check_built(parallel_config)
+    sched = pipeline_schedule(parallel_config, schedule, microbatches)
+    if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
+        parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
+    batch = split_batch(batch, parallel_config, sched, "a batch of")
+    check_data_parallel(parallel_config, model_config, dtype, zero, sched)
+    if steps < 1 or batch < 1:
+        raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
+    seq = seq or model_config.seq_len
+    validate_model(parallel_config, model_config, seq)
+    Plant(plant)                                      # an unknown plant fails here, not in a rank
+    if model_config.dropout_rng == "per_rank" and model_config.dropout > 0:
+        raise ValueError("dropout_rng='per_rank' draws masks no single device draws, so nothing can be "
+                         "compared: verify with dropout_rng='exact' (the default) or dropout=0")
+    if model_config.use_kernels:
+        check_kernels_dtype(dtype)
+        enable_kernels(model_config, parallel_config.world_size)
+    rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
+                  plant, sched, zero, world_size=parallel_config.world_size, timeout=timeout)[0]
+    return Report(rows)
+
+
+def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> int:
+    """The batch (default: one sequence per micro-batch, else 2, per dp replica; with ep, one
+    row per dp x ep replica at least), checked to cut into the replicas' whole micro-batches."""
+    per_replica = sched.microbatches if sched is not None else 1
+    replicas = pcfg.dp * pcfg.ep          # expert-parallel ranks run their own rows too
+    batch = batch or (per_replica * replicas if sched is not None else max(2 * pcfg.dp, replicas))
+    if batch % (per_replica * replicas) == 0:
+        return batch
+    if replicas == 1:
+        raise ValueError(f"{what} {batch} cannot be cut into {per_replica} equal "
+                         f"micro-batches: use a multiple of {per_replica}")
+    who = f"dp={pcfg.dp}" if pcfg.ep == 1 else f"dp x ep={replicas}"
+    raise ValueError(f"{what} {batch} cannot be cut into {who} replicas of {per_replica} "
+                     f"micro-batch(es): use a multiple of {replicas * per_replica}")
+
+
+def check_kernels_dtype(dtype: torch.dtype) -> None:
+    if dtype != torch.float32:
+        raise ValueError(f"--kernels: the kernels compute in float32 (and 16-bit on a GPU), "
+                         f"so comparing them in {dtype} checks nothing more: use --dtype float32")
