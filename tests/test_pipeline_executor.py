@@ -20,7 +20,7 @@ from minitron.runtime import comm
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig
 from minitron.model.convert import gather_state_dict, shard_state_dict
-from minitron.pipeline import executor
+from minitron.pipeline import executor, measure
 from minitron.pipeline.actions import BW, F
 from minitron.pipeline.check import check
 from minitron.pipeline.p2p import check_message_order
@@ -183,7 +183,7 @@ def _measured_worker(name, pp, m):
     tokens, targets = make_batch(0, 0, m, cfg.seq_len, cfg.vocab_size)
     model.rng.reset(0)
     result = executor.run_schedule(sched, model, tokens, targets, keep_outputs=False, track_memory=True)
-    timeline = executor.gather_timeline(sched, result.events, grid)
+    timeline = measure.gather_timeline(sched, result.events, grid)
     return timeline, result.peak_alive, result.peak_bytes, result.unit_bytes
 
 
@@ -219,12 +219,12 @@ def test_measured_timeline_and_peak_memory(run_ranks, name, pp, m):
 
 def test_measure_returns_every_ranks_timeline_and_memory():
     sched = _schedule("1f1b")
-    timeline = executor.measure(sched, ModelConfig(**BASE), steps=1)
+    timeline = measure.measure(sched, ModelConfig(**BASE), steps=1)
     assert timeline.pp == PP and timeline.name == "1f1b"
     assert sorted((e.rank, e.kind, e.microbatch, e.stage) for e in timeline.events) == \
         sorted((r, a.kind, a.microbatch, a.stage) for r in range(PP) for a in sched.compute(r))
     assert 0 <= timeline.bubble_fraction < 1
-    peaks = executor.measure_memory(sched, ModelConfig(**BASE))
+    peaks = measure.measure_memory(sched, ModelConfig(**BASE))
     assert {r: alive for r, (alive, _) in peaks.items()} == check(sched).peak_activations
     assert all(nbytes > 0 for _, nbytes in peaks.values())
 

@@ -73,7 +73,7 @@ def measured_model(schedule) -> ModelConfig:
 
 
 def measure(schedule):
-    from .executor import measure as run_and_time   # torch processes: only when asked for
+    from .measure import measure as run_and_time   # torch processes: only when asked for
     return run_and_time(schedule, measured_model(schedule))
 
 
