@@ -19,6 +19,8 @@ Which groups exist, and what travels in each:
   tp_cp     ranks sharing one sequence's activations   (tp x cp)
   tp_ep     ranks exchanging one MoE layer's tokens    (tp x ep: with sequence parallelism
             every TP rank holds different tokens, so dispatch spans both)
+  ep_dp     ranks fed different rows of the batch      (dp x ep; cp ranks share rows and
+            split their sequences: the engine gathers a step's outputs over ep_dp)
   mp        model-parallel ranks of one replica        (tp x pp: a global grad norm)
   embedding first and last pipeline stage              (tied embedding gradients)
 
@@ -52,7 +54,7 @@ CP_VARIANTS = ("ring", "allgather", "ulysses")
 GROUP_DIMS = {
     "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
     "dp_cp": ("cp", "dp"), "dense_dp": ("cp", "ep", "dp"), "tp_cp": ("tp", "cp"),
-    "tp_ep": ("tp", "ep"),
+    "tp_ep": ("tp", "ep"), "ep_dp": ("ep", "dp"),
     "mp": ("tp", "pp"),
 }
 

@@ -46,7 +46,8 @@ def _forced_ring_rank(forced: bool, plant: bool):
     from minitron.grid import ParallelConfig, build_grid
     from minitron.model.parallel import ParallelGPT
     from minitron.model.reference import GPT
-    from minitron.verify import make_batch, parallel_step
+    from minitron.train.step import parallel_step
+    from minitron.verify import make_batch
     grid = build_grid(ParallelConfig(tp=1))
     model = ParallelGPT.from_reference(GPT(TINY, seed=0), grid)
     model.ctx.context_parallel = forced

@@ -15,7 +15,8 @@ from minitron.grid import ParallelConfig, build_grid
 from minitron.model import ModelConfig, ParallelGPT
 from minitron.tensor_parallel.random import (REPLICATED, TENSOR_PARALLEL, DropoutRNG,
                                              PerRankDropoutRNG, make_dropout_rng)
-from minitron.verify import make_batch, parallel_step, run_rank
+from minitron.train.step import parallel_step
+from minitron.verify import make_batch, run_rank
 
 TP, B, STEP_SEED = 2, 2, 7
 # s*s*heads/tp > s*h, so the attention mask is the largest draw in both modes.

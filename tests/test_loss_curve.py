@@ -7,7 +7,8 @@ import torch
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
-from minitron.verify import make_batch, parallel_step
+from minitron.train.step import parallel_step
+from minitron.verify import make_batch
 
 STEPS = 8
 MODEL = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)

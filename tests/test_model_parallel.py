@@ -13,7 +13,8 @@ from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
 from minitron.model import parallel as parallel_mod
 from minitron.tensor_parallel import layers as layers_mod
-from minitron.verify import make_batch, parallel_step, run_rank
+from minitron.train.step import parallel_step
+from minitron.verify import make_batch, run_rank
 from minitron.verify.checks import pattern
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4)

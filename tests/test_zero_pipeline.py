@@ -21,7 +21,7 @@ from minitron.pipeline.executor import run_schedule
 from minitron.pipeline.partition import PipelineGPT
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, make_batch, run_rank
-from minitron.verify.steps import check_data_parallel
+from minitron.train.engine import check_supported
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4)
 M = 4            # micro-batches
@@ -60,9 +60,9 @@ def test_stale_gather_is_caught_under_pipeline(run_ranks):
 def test_refusals_left():
     sched = make_schedule("1f1b", 2, M)
     pcfg = ParallelConfig(dp=2, pp=2)
-    check_data_parallel(pcfg, ModelConfig(**BASE), torch.float32, 3, sched)   # built now
+    check_supported(pcfg, ModelConfig(**BASE), torch.float32, 3, sched)   # built now
     with pytest.raises(ValueError, match="drop --tie"):
-        check_data_parallel(pcfg, ModelConfig(**BASE, tie_embeddings=True), torch.float32, 3, sched)
+        check_supported(pcfg, ModelConfig(**BASE, tie_embeddings=True), torch.float32, 3, sched)
 
 
 # ---- memory and traffic, exactly ------------------------------------------------------------

@@ -48,7 +48,8 @@ from ..model.config import ModelConfig
 from ..model.parallel import ParallelGPT
 from ..model.reference import GPT
 from ..context_parallel import shard_sequence
-from ..verify import make_batch, parallel_step, reference_step
+from ..train.step import parallel_step
+from ..verify import make_batch, reference_step
 
 TARGET = 1.10            # ParallelGPT at tp=1
 PATH_TARGET = 1.05       # the pipeline executor and the data-parallel engines on top of it

@@ -215,6 +215,12 @@ class ParallelBlock(nn.Module):
         return x + drop(self.mlp(self.mlp_norm(x)), rng, self.training)
 
 
+def build_block(cfg: ModelConfig, ctx: _Ctx, index: int) -> ParallelBlock:
+    """Layer `index`'s block: its MLP a mixture of experts where the config says so. Every
+    model builds its blocks here (ParallelGPT all of them, a pipeline rank its stages')."""
+    return ParallelBlock(cfg, ctx, cfg.is_moe_layer(index))
+
+
 class ParallelEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: _Ctx):
         super().__init__()
@@ -259,8 +265,7 @@ class ParallelGPT(nn.Module):
         self.cfg, self.grid = cfg, grid
         self.ctx = ctx = _Ctx(cfg, grid)
         self.embedding = ParallelEmbedding(cfg, ctx)
-        self.layers = nn.ModuleList(ParallelBlock(cfg, ctx, cfg.is_moe_layer(i))
-                                    for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(build_block(cfg, ctx, i) for i in range(cfg.n_layers))
         self.final_norm = make_model_norm(cfg)
         _mark_sequence_parallel(self.final_norm, ctx.sp)
         if not cfg.tie_embeddings:

@@ -35,7 +35,8 @@ from ..grid import Grid, validate_model
 from ..model.config import ModelConfig
 from ..model.convert import shard_state_dict, stage_layers
 from ..model.fused import check_kernels, make_model_norm
-from ..model.parallel import ParallelBlock, ParallelEmbedding, ParallelGPT, _Ctx, _mark_sequence_parallel
+from ..model.parallel import ParallelEmbedding, ParallelGPT, _Ctx, _mark_sequence_parallel, build_block
+from ..moe.layer import check_moe_grid
 from ..model.reference import GPT
 from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.random import make_dropout_rng
@@ -85,6 +86,7 @@ class PipelineGPT(ParallelGPT):
             interleaved_placement(pp, grid.config.virtual_pp)
         check_placement(cfg, pp, placement)
         validate_model(dataclasses.replace(grid.config, virtual_pp=len(placement) // pp), cfg)
+        check_moe_grid(grid.config, cfg)
         if cfg.use_kernels:
             check_kernels(cfg, grid.device)
         self.cfg, self.grid, self.placement = cfg, grid, placement
@@ -97,7 +99,7 @@ class PipelineGPT(ParallelGPT):
             self.embedding = ParallelEmbedding(cfg, ctx)
         elif self.holds_last and cfg.tie_embeddings:
             self.embedding = _WordEmbeddingCopy(cfg, ctx)
-        self.layers = nn.ModuleDict({str(i): ParallelBlock(cfg, ctx) for s in self.stages
+        self.layers = nn.ModuleDict({str(i): build_block(cfg, ctx, i) for s in self.stages
                                      for i in stage_layers(cfg, s, self.n_stages)})
         if self.holds_last:
             self.final_norm = make_model_norm(cfg)
@@ -108,6 +110,10 @@ class PipelineGPT(ParallelGPT):
         self.rng = make_dropout_rng(cfg.dropout_rng, seed, ctx.tp_rank, device=grid.device)
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid, placement))
         self.to(grid.device)
+        if self.tied_across_ranks and (self.holds_first or self.holds_last):
+            # One weight in two places: its gradient is summed over grid.embedding before anything
+            # reads it, and its norm counted once (data_parallel/ddp.py, precision.grad_norm).
+            self.embedding.word.weight.shared_embedding = True
 
     @classmethod
     def from_reference(cls, ref: nn.Module, grid: Grid, placement: tuple[int, ...] | None = None
@@ -130,13 +136,22 @@ class PipelineGPT(ParallelGPT):
         return x
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        raise ValueError("a pipeline rank runs its stages one at a time: use stage_forward(stage, x)")
+        """Every block, then the final norm: only on a rank that holds every stage (pp = 1)."""
+        self._check_whole()
+        for i, layer in self.layers.items():      # in stage order: 0, 1, ..., L-1
+            self.rng.at_layer(int(i))
+            x = layer(x, self.rng)
+        return self.final_norm(x)
+
+    def _check_whole(self) -> None:
+        if len(self.stages) != self.n_stages:
+            raise ValueError(f"pipeline rank {self.grid.pp.rank} holds stages {self.stages} of "
+                             f"{self.n_stages}: run the model with minitron.pipeline.executor "
+                             "(stage_forward(stage, x) runs one stage)")
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """The whole model, when this rank holds every stage (pp = 1); otherwise use the executor."""
-        if len(self.stages) != self.n_stages:
-            raise ValueError(f"pipeline rank {self.grid.pp.rank} holds stages {self.stages} of "
-                             f"{self.n_stages}: run the model with minitron.pipeline.executor")
+        self._check_whole()
         x = self.embed(tokens)
         for s in self.stages:
             x = self.stage_forward(s, x)

@@ -30,8 +30,7 @@ from ..model.config import ModelConfig
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
 from ..pipeline.partition import check_placement
-from ..pipeline.schedules import make_schedule
-from .engine import TrainingRun, check_supported
+from .engine import TrainingRun, check_supported, resolve_schedule
 
 
 class UsageError(ValueError):
@@ -80,7 +79,6 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, virtual_pp=args.virtual,
                           sequence_parallel=args.sp)
     pcfg.validate(model=mcfg, seq_len=args.seq)
-    check_supported(pcfg, mcfg, args.zero)
     if args.schedule and args.pp == 1 and args.virtual == 1:
         raise UsageError(f"--schedule {args.schedule} needs a pipeline: add --pp 2 (or more)")
     if args.pp > 1 or args.virtual > 1:
@@ -90,9 +88,9 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
         raise UsageError(f"--batch {args.batch} must split into dp={args.dp} replicas of "
                          f"{args.microbatches} micro-batches: use a multiple of "
                          f"{args.dp * args.microbatches}")
-    if args.pp > 1 or args.virtual > 1:        # an unknown or impossible schedule fails here
-        make_schedule(args.schedule or ("interleaved" if args.virtual > 1 else "1f1b"),
-                      args.pp, args.microbatches, args.virtual)
+    # an unknown or impossible schedule fails here, and what the engine does not run
+    check_supported(pcfg, mcfg, torch.float32, args.zero,
+                    resolve_schedule(pcfg, args.schedule, args.microbatches))
     try:
         os.makedirs(args.out, exist_ok=True)
         probe = os.path.join(args.out, ".write-test")

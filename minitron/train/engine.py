@@ -1,124 +1,250 @@
-"""One training run's moving parts, built for any grid: the model, its engine, the step.
+"""The one training engine: model, data-parallel engine, schedule and optimizer for any grid.
 
-    run = TrainingRun(model_cfg, ParallelConfig(tp=2, pp=2), zero_stage=1, microbatches=4)
-    loss = run.step(tokens, targets, step)     # the global batch on every rank; the global mean loss
+    run = TrainingRun(model_cfg, ParallelConfig(tp=2, pp=2, dp=2), zero_stage=1, microbatches=4)
+    loss = run.step(tokens, targets, step)     # the global batch on every rank; its mean loss
 
-The model is always a PipelineGPT (at pp = 1 it holds every stage and runs as ParallelGPT);
-data parallelism and ZeRO come from data_parallel (stages 0-2: DataParallel, 3: ZeroStage3),
-the optimizer is ZeroOptimizer, clipping precision.optimizer_step. A pipeline runs its
-schedule on this replica's rows under no_sync (its micro-batches' gradients add up locally)
-and the engine's finish_grad_sync reduces them once. Covered: tp (+sp), pp (+virtual), dp with
-ZeRO 0-3. Not yet: cp and ep (the loss and the rows would need their own split), MoE models.
+Every training step in minitron goes through here: python -m minitron.train, python -m
+minitron.verify (which compares the tensors of the same steps with one device), the
+benchmarks, the checkpoints and the lessons. What a run splits decides what is built:
+
+  the model      PipelineGPT always: at pp = 1 it holds every stage and runs as ParallelGPT
+                 (tp with sp, cp with each variant, ep with MoE layers, recompute, kernels)
+  the schedule   with pp > 1, virtual stages or a schedule's name: every step runs the
+                 schedule's actions (train/step.py); otherwise micro-batches run one by one
+  the engine     data_parallel.wrap: DataParallel (ZeRO 0-2) or ZeroStage3, and ZeroOptimizer
+                 on fp32 master shards; with fp16 a loss scaler. Built when the run asks for a
+                 ZeRO stage (the default, 0), has dp or ep > 1, or trains in 16 bits;
+                 otherwise the model keeps its own .grad and torch's AdamW steps it
+                 (FusedAdamW with the kernels), as a plain single-device script would
+
+A step is forward_backward (train/step.py) then optimizer_step. grads(), weights() and
+load_grads() read and write this rank's tensors in the reference's names, whatever shards
+them: the verifier reads the gradients, then loads the reference's and steps both optimizers
+on them, so the update is checked on its own.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ..runtime import comm
-from ..data_parallel import DataParallel, ZeroOptimizer, ZeroStage3, forward_backward, local_rows
+from ..context_parallel import shard_sequence
+from ..data_parallel import DEFAULT_BUCKET_NUMEL, gathered_grads, gathered_params, load_grads, wrap
+from ..data_parallel.optim import FusedAdamW
+from ..data_parallel.precision import LossScaler, optimizer_step
 from ..grid import ParallelConfig, build_grid
 from ..model.config import ModelConfig
-from ..pipeline.executor import run_schedule
+from ..model.convert import grads_state_dict
+from ..moe.layer import check_moe_grid
 from ..pipeline.partition import PipelineGPT
 from ..pipeline.schedules import make_schedule
-from ..data_parallel.precision import optimizer_step
+from ..runtime import comm
+from .step import NO_HOOKS, StepHooks, StepOutput, forward_backward, replica_rows
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
-def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, zero_stage: int) -> None:
-    """ValueError naming the fix for what the training run does not cover yet."""
-    if pcfg.cp > 1 or pcfg.ep > 1:
-        raise ValueError(f"the trainer covers tp, pp and dp so far; cp={pcfg.cp}, ep={pcfg.ep} "
-                         "are not wired into it yet: use cp=1 and ep=1")
-    if mcfg.n_experts:
-        raise ValueError("the trainer and checkpoints do not cover MoE models yet: n_experts=0")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if zero_stage == 3 and mcfg.tie_embeddings:
-        raise ValueError("ZeRO-3 does not handle tied embeddings: use --zero 0-2 or untied embeddings")
+def resolve_schedule(pcfg: ParallelConfig, name=None, microbatches: int | None = None):
+    """The pipeline Schedule a run steps with, or None (pp = virtual = 1 and no name given).
+
+    A Schedule is kept as it is. Defaults: 1F1B (interleaved with virtual > 1), 2*pp
+    micro-batches; ZB-V always has two chunks per rank."""
+    if name is not None and not isinstance(name, str):
+        return name
+    if name is None and pcfg.pp == 1 and pcfg.virtual_pp == 1:
+        return None
+    name = name or ("interleaved" if pcfg.virtual_pp > 1 else "1f1b")
+    virtual = 2 if name == "zb-v" and pcfg.virtual_pp == 1 else pcfg.virtual_pp
+    return make_schedule(name, pcfg.pp, microbatches or 2 * pcfg.pp, virtual)
 
 
-def _units(model: PipelineGPT) -> list:
-    """ZeRO-3's gather units: one per module this rank holds (layers sit in a ModuleDict)."""
-    names = ("embedding", "final_norm", "lm_head")
-    first = [model.embedding] if model.holds_first else []
-    last = [getattr(model, n) for n in names[1:] if hasattr(model, n)]
-    return first + list(model.layers.values()) + last
+def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> bool:
+    """Whether a run steps through a data-parallel engine and ZeroOptimizer."""
+    return pcfg.dp > 1 or pcfg.ep > 1 or zero is not None or dtype in SIXTEEN_BIT
+
+
+def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
+                    zero: int | None, schedule) -> None:
+    """Refuse, before any rank starts, what the engine does not run (ValueError, with the fix)."""
+    if zero not in (None, 0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    check_moe_grid(pcfg, mcfg)
+    if mcfg.n_experts and (schedule is not None or zero == 3):
+        raise ValueError("experts run without a pipeline and without ZeRO-3 so far: use pp=1 "
+                         "(--pp 1) and ZeRO stage 0, 1 or 2 with experts")
+    if mcfg.n_experts and dtype in SIXTEEN_BIT:
+        raise ValueError("a 16-bit router's top-k choice flips on rounding differences (a "
+                         "discontinuity no comparison tolerates): run experts in float32")
+    if not uses_engine(pcfg, zero, dtype):
+        return
+    refusals = [
+        (dtype == torch.float64, "data parallelism and ZeRO step float32 master weights "
+                                 "(ZeroOptimizer): use float32, bfloat16 or float16"),
+        (pcfg.cp > 1 and dtype in SIXTEEN_BIT,
+         "context parallelism runs in float32 so far: use cp with float32"),
+        (zero == 3 and mcfg.tie_embeddings, "ZeRO-3 gathers the embedding for its own forward "
+                                            "only, a tied output layer reuses it later: untie "
+                                            "the embeddings (drop --tie) or use ZeRO 0-2"),
+        (dtype == torch.float16 and schedule is not None, "the pipeline executor takes no loss "
+                                                          "scale: use bfloat16 with a pipeline"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(why)
+
+
+class _OwnGrads:
+    """No data-parallel engine: the model's own .grad, stepped by torch's AdamW."""
+    grads_replicated, zero_stage = True, None
+
+    def __init__(self, model, lr: float, eps: float, weight_decay: float):
+        adamw = FusedAdamW if model.cfg.use_kernels else torch.optim.AdamW
+        self.model = model
+        self.opt = adamw(model.parameters(), lr=lr, eps=eps, weight_decay=weight_decay)
+
+    def grads(self) -> dict:
+        return grads_state_dict(self.model)
+
+    def weights(self) -> dict:
+        return self.model.state_dict()
+
+    @torch.no_grad()
+    def load_grads(self, shards: dict) -> None:
+        for name, shard in shards.items():
+            p = self.model.get_parameter(name)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(shard)
+
+    def step(self, max_norm: float | None) -> dict:
+        norm = None
+        if max_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"stepped": True, "norm": norm, "scale": 1.0}
 
 
 class TrainingRun:
-    """Model, engine and optimizer of this rank; `step` trains one global batch."""
+    """This rank's model, engine and optimizer for one configuration; `step` trains one batch.
 
-    def __init__(self, mcfg: ModelConfig, pcfg: ParallelConfig, *, zero_stage: int = 0,
-                 microbatches: int = 1, schedule: str | None = None, lr: float = 1e-3,
+    schedule: a name (pipeline.schedules.SCHEDULES), a Schedule or None (see resolve_schedule);
+    microbatches: of the schedule, or without one the micro-batches each replica's rows are
+    cut into (gradient accumulation). zero_stage=None builds no engine where none is needed
+    (module docstring: the verifier's plain runs); max_norm=None does not clip; loss_scale:
+    fp16's fixed scale (default: a dynamic LossScaler).
+    reference: a single-device GPT whose weights and dropout seed the model takes (verify).
+    hooks: what a verifier plants in each step (train/step.py StepHooks)."""
+
+    def __init__(self, mcfg: ModelConfig, pcfg: ParallelConfig, *, schedule=None,
+                 microbatches: int | None = None, zero_stage: int | None = 0,
+                 dtype: torch.dtype = torch.float32, lr: float = 1e-3, eps: float = 1e-8,
                  weight_decay: float = 0.0, max_norm: float | None = 1.0, seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
-        check_supported(pcfg, mcfg, zero_stage)
+                 bucket_numel: int | None = DEFAULT_BUCKET_NUMEL, loss_scale: float | None = None,
+                 reference=None, hooks: StepHooks = NO_HOOKS):
+        self.schedule = resolve_schedule(pcfg, schedule, microbatches)
+        check_supported(pcfg, mcfg, dtype, zero_stage, self.schedule)
         self.grid = grid = build_grid(pcfg)
-        self.microbatches, self.max_norm = microbatches, max_norm
-        self.schedule = None
-        if pcfg.pp > 1 or pcfg.virtual_pp > 1:
-            name = schedule or ("interleaved" if pcfg.virtual_pp > 1 else "1f1b")
-            self.schedule = make_schedule(name, pcfg.pp, microbatches, pcfg.virtual_pp)
-        placement = self.schedule.stage_rank if self.schedule is not None else None
-        self.model = PipelineGPT(mcfg, grid, placement, seed=seed).to(dtype)
-        if zero_stage == 3:
-            self.engine = ZeroStage3(self.model, grid, units=_units(self.model))
+        self.cfg, self.hooks, self.max_norm = mcfg, hooks, max_norm
+        self.microbatches = 1 if self.schedule is not None else (microbatches or 1)
+        self.placement = self.schedule.stage_rank if self.schedule is not None else None
+        if reference is not None:
+            self.model = PipelineGPT.from_reference(reference, grid, self.placement)
         else:
-            self.engine = DataParallel(self.model, grid, zero_stage=zero_stage)
-        self.optimizer = ZeroOptimizer(self.engine, lr=lr, weight_decay=weight_decay)
+            self.model = PipelineGPT(mcfg, grid, self.placement, seed=seed).to(dtype)
+        self.scaler, self.loss_scale = None, 1.0
+        if not uses_engine(pcfg, zero_stage, dtype):
+            self.engine, self.side = None, _OwnGrads(self.model, lr, eps, weight_decay)
+            return
+        self.zero_stage = zero_stage or 0
+        self.engine, self.optimizer = wrap(self.model, grid, self.zero_stage, bucket_numel, lr=lr,
+                                           eps=eps, weight_decay=weight_decay)
+        self.side = None
+        if dtype == torch.float16:
+            self.scaler = LossScaler() if loss_scale is None else \
+                LossScaler(loss_scale, growth_interval=10**9)     # a fixed scale
+            self.loss_scale = self.scaler.scale
+
+    # ---- one step ----
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, step_seed: int,
+                         keep_outputs: bool = False) -> StepOutput:
+        """Forward and backward of the global batch (the same on every rank); gradients final."""
+        if self.scaler is not None:
+            self.loss_scale = self.scaler.scale
+        return forward_backward(self.model, self.schedule, tokens.to(self.grid.device),
+                                targets.to(self.grid.device), step_seed, engine=self.engine,
+                                hooks=self.hooks, microbatches=self.microbatches,
+                                loss_scale=self.loss_scale, keep_outputs=keep_outputs)
+
+    def optimizer_step(self) -> dict:
+        """Unscale, clip (max_norm), step and zero the gradients; {'stepped', 'norm', 'scale'}."""
+        if self.engine is None:
+            return self.side.step(self.max_norm)
+        out = optimizer_step(self.optimizer, self.engine, self.grid, self.scaler, max_norm=self.max_norm)
+        self.engine.zero_grad()
+        return out
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, step: int) -> float:
         """Forward, backward and update on the global batch; returns its mean loss (every rank)."""
-        model, engine, grid = self.model, self.engine, self.grid
-        tokens, targets = tokens.to(grid.device), targets.to(grid.device)
-        engine.zero_grad()
-        if self.schedule is None:
-            loss = forward_backward(model, engine, tokens, targets, micro_batches=self.microbatches,
-                                    step_seed=step).detach()
+        loss = self.forward_backward(tokens, targets, step).loss
+        self.last_update = self.optimizer_step()
+        return float(loss)
+
+    # ---- this rank's tensors in the reference's names (verify, checkpoints) ----
+    @property
+    def sharded_grads(self) -> bool:
+        """Gradients rebuilt from shards (ZeRO 1-3): equal over dp by construction."""
+        return self.engine is not None and not self.engine.grads_replicated
+
+    @property
+    def sharded_weights(self) -> bool:
+        return self.engine is not None and self.zero_stage == 3
+
+    def grads(self) -> dict:
+        return self.side.grads() if self.engine is None else gathered_grads(self.engine)
+
+    def weights(self) -> dict:
+        return self.side.weights() if self.engine is None else gathered_params(self.engine)
+
+    def load_grads(self, shards: dict) -> None:
+        """Replace this rank's gradients by `shards` (its shards of another model's gradients)."""
+        if self.engine is None:
+            self.side.load_grads(shards)
         else:
-            rows = local_rows(tokens.shape[0], grid)
-            model.rng.reset(step)
-            quiet = engine.no_sync() if hasattr(engine, "no_sync") else contextlib.nullcontext()
-            with quiet:
-                result = run_schedule(self.schedule, model, tokens[rows], targets[rows],
-                                      first_row=rows.start, keep_outputs=False, finalize_grads=False)
-            loss = result.loss.detach() if result.loss is not None else None
-            loss = loss if model.holds_last else torch.zeros((), device=grid.device)
-            loss = comm.all_reduce(loss.float().clone().reshape(1), grid.pp)[0]  # from the last stage
-        engine.finish_grad_sync()
-        optimizer_step(self.optimizer, engine, grid, None, max_norm=self.max_norm)
-        return self.global_loss(loss)
+            load_grads(self.engine, shards)
 
-    def global_loss(self, loss: torch.Tensor) -> float:
-        """The mean over the data-parallel replicas (each holds the mean of its rows)."""
-        total = comm.all_reduce(loss.float().clone().reshape(1), self.grid.dp)
-        return float(total[0]) / self.grid.dp.size
-
+    # ---- evaluation ----
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The mean loss on a global batch, no update, dropout off (every rank takes part). A
         pipeline runs stage by stage, each stage's output broadcast over pp (plain and slow:
         evaluation is rare)."""
         model, grid = self.model, self.grid
-        rows = local_rows(tokens.shape[0], grid)
-        tokens, targets = tokens[rows].to(grid.device), targets[rows].to(grid.device)
+        rows = replica_rows(tokens.shape[0], grid)
+        cp = grid.cp
+        tokens = shard_sequence(tokens[rows].to(grid.device), cp.size, cp.rank)
+        targets = shard_sequence(targets[rows].to(grid.device), cp.size, cp.rank)
         model.eval()
         try:
             if self.schedule is None:
-                return self.global_loss(model(tokens, targets)[1])
-            seq = tokens.shape[1] // (grid.tp.size if grid.sequence_parallel else 1)
-            x = model.embed(tokens) if model.holds_first else \
-                torch.empty(tokens.shape[0], seq, model.cfg.hidden, device=grid.device,
-                            dtype=next(model.parameters()).dtype)
-            last = model.n_stages - 1
-            for s in range(model.n_stages):
-                if s in model.stages:
-                    x = model.stage_forward(s, x)
-                if s < last:
-                    x = comm.broadcast(x.contiguous(), grid.pp, src=model.placement[s])
-            loss = model.loss(x, targets) if model.holds_last else torch.zeros((), device=grid.device)
-            return self.global_loss(comm.all_reduce(loss.float().reshape(1).clone(), grid.pp)[0])
+                loss = model(tokens, targets)[1].float().reshape(1)
+            else:
+                loss = self._evaluate_stages(tokens, targets)
         finally:
             model.train()
+        replicas = grid.ep_dp
+        loss = comm.all_reduce(loss.clone(), cp) / cp.size if cp.size > 1 else loss
+        return float(comm.all_reduce(loss.clone(), replicas)[0]) / replicas.size
+
+    def _evaluate_stages(self, tokens, targets) -> torch.Tensor:
+        model, grid = self.model, self.grid
+        seq = tokens.shape[1] // (grid.tp.size if grid.sequence_parallel else 1)
+        x = model.embed(tokens) if model.holds_first else \
+            torch.empty(tokens.shape[0], seq, model.cfg.hidden, device=grid.device,
+                        dtype=next(model.parameters()).dtype)
+        last = model.n_stages - 1
+        for s in range(model.n_stages):
+            if s in model.stages:
+                x = model.stage_forward(s, x)
+            if s < last:
+                x = comm.broadcast(x.contiguous(), grid.pp, src=model.placement[s])
+        loss = model.loss(x, targets) if model.holds_last else torch.zeros((), device=grid.device)
+        return comm.all_reduce(loss.float().reshape(1).clone(), grid.pp)

@@ -78,8 +78,7 @@ tolerances and rows, plants.py the planted bugs that show a check can fail, comp
 relative-error helpers the tests and lessons share, cli.py the command line.
 """
 from .checks import Report, Row
-from .run import pipeline_schedule, verify
-from .steps import make_batch, parallel_step, reference_step, run_rank
+from .run import verify
+from .steps import make_batch, reference_step, run_rank
 
-__all__ = ["verify", "run_rank", "make_batch", "parallel_step", "reference_step",
-           "pipeline_schedule", "Report", "Row"]
+__all__ = ["verify", "run_rank", "make_batch", "reference_step", "Report", "Row"]

@@ -12,8 +12,9 @@ from ..model.config import CHOICES, ModelConfig
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
-from .run import check_built, check_kernels_dtype, enable_kernels, pipeline_schedule, split_batch, verify
-from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE, check_data_parallel, uses_engine
+from ..train.engine import check_supported, resolve_schedule, uses_engine
+from .run import check_built, check_kernels_dtype, enable_kernels, split_batch, verify
+from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
 
 EXAMPLES = """examples:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
                               cp_variant=args.cp_variant)
         check_built(pcfg)
-        sched = pipeline_schedule(pcfg, args.schedule, args.microbatches)
+        sched = resolve_schedule(pcfg, args.schedule, args.microbatches)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
         batch = split_batch(args.batch, pcfg, sched, "--batch")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         validate_model(pcfg, mcfg)
         Plant(args.plant)
         dtype = getattr(torch, args.dtype)
-        check_data_parallel(pcfg, mcfg, dtype, args.zero, sched)
+        check_supported(pcfg, mcfg, dtype, args.zero, sched)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
             check_kernels_dtype(dtype)

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..grid import Grid
+from ..train.step import StepHooks
 
 PLANTS = {
     "replica-drift": "after finalize_grads, tp rank 1 halves its norm weights' gradients",
@@ -57,7 +58,7 @@ def _stale_gather(unit):
     return gather
 
 
-class Plant:
+class Plant(StepHooks):
     """`kind[:parameter]`, one of PLANTS: a deliberate error at one point of the step."""
 
     def __init__(self, spec: str | None):

@@ -9,11 +9,11 @@ import torch
 from ..grid import ParallelConfig, validate_model
 from ..model.config import ModelConfig
 from ..model.fused import check_kernels
-from ..pipeline.schedules import make_schedule
 from ..runtime.launch import DEFAULT_TIMEOUT, _pick_backend, launch
 from .checks import Report
 from .plants import Plant
-from .steps import check_data_parallel, run_rank
+from ..train.engine import check_supported, resolve_schedule
+from .steps import run_rank
 
 
 # Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
@@ -44,19 +44,6 @@ def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
             "no GPU per rank)")
 
 
-def pipeline_schedule(pcfg: ParallelConfig, name: str | None = None,
-                      microbatches: int | None = None):
-    """The pipeline Schedule verify runs, or None for the plain step (pp = virtual = 1, no name).
-
-    Defaults: 1F1B (interleaved with virtual > 1), 2*pp micro-batches; ZB-V always has two
-    chunks per rank."""
-    if name is None and pcfg.pp == 1 and pcfg.virtual_pp == 1:
-        return None
-    name = name or ("interleaved" if pcfg.virtual_pp > 1 else "1f1b")
-    virtual = 2 if name == "zb-v" and pcfg.virtual_pp == 1 else pcfg.virtual_pp
-    return make_schedule(name, pcfg.pp, microbatches or 2 * pcfg.pp, virtual)
-
-
 def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
            batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -65,18 +52,18 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
-    is cut into pipeline stages and run by the pipeline executor (see pipeline_schedule);
+    is cut into pipeline stages and run by the pipeline executor (train.engine.resolve_schedule);
     `batch` defaults to one sample per micro-batch (2 without a pipeline), per dp replica.
     `zero` (0-3; dp > 1 and 16-bit dtypes too) steps through a data-parallel engine.
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
     (see enable_kernels).
     """
     check_built(parallel_config)
-    sched = pipeline_schedule(parallel_config, schedule, microbatches)
+    sched = resolve_schedule(parallel_config, schedule, microbatches)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
-    check_data_parallel(parallel_config, model_config, dtype, zero, sched)
+    check_supported(parallel_config, model_config, dtype, zero, sched)
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len

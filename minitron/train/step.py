@@ -1,0 +1,173 @@
+"""One forward and backward of the split model, for every configuration the engine runs.
+
+    x, logits, loss = parallel_step(model, tokens, targets, step_seed)        # one micro-batch
+    out = forward_backward(model, schedule, tokens, targets, step_seed, ...)  # a replica's rows
+
+A step takes one of two shapes, by whether the model is cut into pipeline stages:
+
+  no schedule  the rank holds every layer: each micro-batch is embedded, run and its loss taken
+               on this rank (parallel_step), its tokens this cp rank's zigzag chunks of the
+               sequences (context_parallel.shard_sequence); every micro-batch but the last
+               runs under the data-parallel engine's no_sync, so each bucket is sent once and
+               the last micro-batch's communication overlaps its backward.
+  a schedule   the pipeline executor runs the schedule's actions (pipeline/executor.py) under
+               no_sync; the engine reduces the accumulated gradients once after the last.
+
+Either way the gradient fix-ups run once at the end: the engine's finish_grad_sync (its bucket
+all-reduces, the sequence-parallel sums over tp, the average over cp, the tied embedding over
+the first and last stage), or model.finalize_grads() when there is no engine.
+
+What a verifier plants in a step (a fault that shows a check can fail) comes through `hooks`,
+an object with StepHooks' methods; the default plants nothing (verify/plants.py plants faults).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from ..context_parallel import shard_sequence, unshard_sequence
+from ..data_parallel import local_rows
+from ..pipeline.executor import collect_outputs, run_schedule
+from ..runtime import comm
+
+
+class StepHooks:
+    """The points of a step where a verifier may plant a fault. Every method does nothing here."""
+
+    def cp_layout(self) -> str:
+        return "zigzag"                   # the order the sequences are cut in over cp
+
+    def attention(self):
+        return contextlib.nullcontext()   # wraps the forward (a fault in attention's merge)
+
+    def grads(self, model, grid) -> None:
+        """After the gradients are final, before anything reads them."""
+
+    def logits(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    # the pipeline executor's own points (pipeline/executor.py)
+    def pipeline_grad_in(self, grad_in, grad_out, stage: int, last: int):
+        return grad_in
+
+    def drops_w(self, microbatch: int, stage: int) -> bool:
+        return False
+
+
+NO_HOOKS = StepHooks()
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one step gives back. loss: the whole batch's mean (every rank); logits [b, s, V] and
+    dx = dL/dX [b, s, h] of the whole batch on every rank when kept (for comparing), else None."""
+    loss: torch.Tensor
+    logits: torch.Tensor | None = None
+    dx: torch.Tensor | None = None
+
+
+def parallel_step(model, tokens, targets, step_seed: int, hooks: StepHooks = NO_HOOKS, *,
+                  first_row: int = 0, loss_scale: float = 1.0, finish=None):
+    """Forward, loss, backward and the gradient fix-up (`finish`, default model.finalize_grads)
+    of one micro-batch on a rank that holds every layer; returns (X, logits shard, loss).
+    `first_row`: where `tokens` start in the global batch (dropout masks are keyed by row)."""
+    model.rng.reset(step_seed)
+    if first_row:
+        model.rng.rows_from(first_row)
+    x = model.embed(tokens)
+    x.retain_grad()                      # dL/dX, X = the input of the first block
+    with hooks.attention():
+        logits = model.output_layer(model.run_layers(x))
+    loss = model.loss(logits, targets)
+    (loss * loss_scale).backward()       # loss_scale: fp16, and 1/m per micro-batch
+    (finish or model.finalize_grads)()
+    return x, logits, loss
+
+
+def replica_rows(batch: int, grid) -> slice:
+    """This replica's rows of the global batch: split over dp x ep, the ranks of grid.ep_dp in
+    its order (data_parallel.local_rows); cp ranks share their rows and split the sequences."""
+    return local_rows(batch, grid)
+
+
+def _unpipelined(model, engine, hooks, tokens, targets, step_seed, first, microbatches,
+                 loss_scale, keep):
+    """Micro-batches of this replica's rows on a rank that holds every layer."""
+    grid, cp = model.grid, model.grid.cp
+    if tokens.shape[0] % microbatches:
+        raise ValueError(f"{tokens.shape[0]} rows per replica do not split into {microbatches} "
+                         f"micro-batches: choose a divisor of {tokens.shape[0]}")
+    mb, layout = tokens.shape[0] // microbatches, hooks.cp_layout()
+    total, kept = torch.zeros((), dtype=torch.float32, device=tokens.device), []
+    for m in range(microbatches):
+        rows = slice(m * mb, (m + 1) * mb)
+        last = m == microbatches - 1
+        quiet = engine.no_sync() if engine is not None and not last else contextlib.nullcontext()
+        with quiet:
+            x, logits, loss = parallel_step(
+                model, shard_sequence(tokens[rows], cp.size, cp.rank, layout),
+                shard_sequence(targets[rows], cp.size, cp.rank, layout), step_seed, hooks,
+                first_row=first + m * mb, loss_scale=loss_scale / microbatches, finish=lambda: None)
+        total += loss.detach().float() / microbatches
+        if keep:
+            kept.append((x, logits.detach()))
+    (engine.finish_grad_sync if engine is not None else model.finalize_grads)()
+    hooks.grads(model, grid)
+    if cp.size > 1:   # a rank's loss is the mean over its tokens: the batch's, averaged over cp
+        total = comm.all_reduce(total.clone(), cp) / cp.size
+    if not keep:
+        return total, None, None
+    dx = torch.cat([x.grad for x, _ in kept])   # each of the replica's mean loss (1/m applied)
+    logits = comm.all_gather(torch.cat([lg for _, lg in kept]), grid.tp, dim=-1)
+    if grid.sequence_parallel:
+        dx = comm.all_gather(dx, grid.tp, dim=1)
+    if cp.size > 1:
+        dx, logits = unshard_sequence(dx, cp) / cp.size, unshard_sequence(logits, cp)
+    return total, logits, dx
+
+
+def _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed, first, keep):
+    """The pipeline executor on this replica's rows; the engine reduces once, after the last."""
+    model.rng.reset(step_seed)
+    quiet = engine.no_sync() if engine is not None else contextlib.nullcontext()
+    with quiet:
+        result = run_schedule(schedule, model, tokens, targets, plant=hooks, first_row=first,
+                              keep_outputs=keep, finalize_grads=engine is None)
+    if engine is not None:
+        engine.finish_grad_sync()
+    hooks.grads(model, model.grid)
+    if keep:
+        logits, loss, dx = collect_outputs(result, model, *tokens.shape)
+        return loss, logits, dx
+    grid = model.grid
+    loss = result.loss.detach().float() if model.holds_last else torch.zeros((), device=grid.device)
+    loss = comm.all_reduce(loss.reshape(1).clone(), grid.pp)[0]      # from the last stage
+    return loss, None, None
+
+
+def forward_backward(model, schedule, tokens, targets, step_seed: int, *, engine=None,
+                     hooks: StepHooks = NO_HOOKS, microbatches: int = 1, loss_scale: float = 1.0,
+                     keep_outputs: bool = False) -> StepOutput:
+    """Forward and backward of the global batch (tokens, targets: the same on every rank);
+    this rank runs its replica's rows. Returns the batch's mean loss (its logits and dL/dX
+    gathered over the replicas too with keep_outputs). Each replica's loss is the mean over
+    its rows, so the batch's is their mean, and its dL/dX each replica's over their number."""
+    grid = model.grid
+    rows = replica_rows(tokens.shape[0], grid)
+    tokens, targets = tokens[rows], targets[rows]
+    if schedule is None:
+        loss, logits, dx = _unpipelined(model, engine, hooks, tokens, targets, step_seed,
+                                        rows.start, microbatches, loss_scale, keep_outputs)
+    else:
+        loss, logits, dx = _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed,
+                                      rows.start, keep_outputs)
+    replicas = grid.ep_dp      # the ranks that ran other rows (cp is already gathered back)
+    n = replicas.size
+    if n > 1:
+        loss = comm.all_reduce(loss.detach().clone().reshape(1), replicas)[0] / n
+        if keep_outputs:
+            logits = comm.all_gather(logits.contiguous(), replicas, dim=0)
+            dx = comm.all_gather(dx.contiguous(), replicas, dim=0) / n
+    return StepOutput(loss.detach(), logits, dx)
