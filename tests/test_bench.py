@@ -128,7 +128,8 @@ SMOKE = """
     import torch
     if torch.cuda.device_count() == 0:
         os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
-    from minitron.kernels import bench, ops
+    from minitron.bench import kernels as bench
+    from minitron.kernels import ops
 
     csv_path, planted = sys.argv[1], sys.argv[2] == "planted"
     if planted:   # the Triton path of rms_norm and of the AdamW step is wrong by 10%

@@ -107,6 +107,6 @@ def test_peak_activations_are_the_checkers_prediction(run_ranks, name):
 def test_selective_recompute_with_cp_is_refused_before_any_rank_starts(capsys, monkeypatch):
     with pytest.raises(ValueError, match="selective recomputation of context-parallel attention"):
         validate_model(ParallelConfig(cp=2), ModelConfig(**BASE, recompute="selective"))
-    monkeypatch.setattr(verify, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(verify.run, "launch", lambda *a, **k: pytest.fail("a rank was started"))
     assert verify_cli.main(["--tp", "1", "--cp", "2", "--pp", "2", "--recompute", "selective"]) == 2
     assert "use recompute='full' or 'none' with cp > 1" in capsys.readouterr().err

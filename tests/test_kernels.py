@@ -528,7 +528,7 @@ MUTANTS = {  # name: (kernel file, text, replacement, message expected)
         "flash_attention", "s = tl.where(offs_m[:, None] >= offs_n[None, :]",
         "s = tl.where(offs_m[:, None] + 1 >= offs_n[None, :]", "attention forward .* elements off"),
     "dK/dV summed over one query head of the group only": (
-        "flash_attention", "for g in range(0, GROUP):", "for g in range(0, 1):", "attention grad 1 .* elements off"),
+        "flash_attention_bwd", "for g in range(0, GROUP):", "for g in range(0, 1):", "attention grad 1 .* elements off"),
     "causal diagonal one key block long (right for square tiles only)": (
         "flash_attention", "end = tl.minimum(pid_m * BLOCK_M + BLOCK_M, sk)\n    else:\n        diag = sk\n        end = sk\n"
         "    acc", "end = tl.minimum(pid_m * BLOCK_M + BLOCK_N, sk)\n    else:\n        diag = sk\n        end = sk\n"
@@ -547,9 +547,25 @@ def _load_kernel_copy(tmp_path, name, old, new):
     src = open(os.path.join(os.path.dirname(pkg.__file__), f"{name}.py")).read()
     assert src.count(old) == 1, f"the edit must hit {name}.py exactly once"
     src = src.replace(old, new).replace("from .", "from minitron.kernels.")
-    path = tmp_path / f"copy_of_{name}.py"
+    unique = f"copy_of_{name}_{abs(hash(new))}"
+    path = tmp_path / f"{unique}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"copy_of_{name}_{abs(hash(new))}", path)
+    spec = importlib.util.spec_from_file_location(unique, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[unique] = module
+    spec.loader.exec_module(module)
+    if name == "flash_attention_bwd":   # the backward kernels run through a copy of their launcher
+        launcher = open(os.path.join(os.path.dirname(pkg.__file__), "flash_attention.py")).read()
+        launcher = launcher.replace("from .flash_attention_bwd import", f"from {unique} import")
+        return _load_source_copy(tmp_path, "flash_attention", launcher, unique + "_launcher")
+    return module
+
+
+def _load_source_copy(tmp_path, name, src, unique):
+    import importlib.util
+    path = tmp_path / f"{unique}.py"
+    path.write_text(src.replace("from .", "from minitron.kernels."))
+    spec = importlib.util.spec_from_file_location(unique, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -566,7 +582,7 @@ def _run_through(module, name, device, tiles=RECT):
         x = rand(1, 2, 33, 33, dtype=f32, device=device)
         check_op(lambda s: module.ScaledMaskedSoftmaxFn.apply(s, 0.5, True),
                  lambda s: ref_softmax(s, 0.5, True), [x], f32, "softmax")
-    elif name == "flash_attention":
+    elif name in ("flash_attention", "flash_attention_bwd"):
         q = rand(1, 4, 48, 16, dtype=f32, device=device)
         k, v = (rand(1, 2, 48, 16, dtype=f32, device=device) for _ in range(2))
         with module.tiles(**tiles):

@@ -20,8 +20,9 @@ What is saved, under these names:
 ZeRO's flat shards do not map to rectangles of the reference tensors, so before saving each
 rank's optimizer shard is put back into whole tp-local tensors (one all-reduce over the
 sharding group, data_parallel/checks.py's way); loading cuts the owned elements out again. The
-ZeRO stage and dp can therefore change between save and load. Not covered yet: MoE experts
-(convert.py has no rules for them) — save refuses such a model.
+ZeRO stage and dp can therefore change between save and load. Expert tensors are stacked
+[E, ...]: ep rank e holds experts [e E/ep, (e+1) E/ep) (dim 0), and tp splits each inside as
+convert.py's rules say, so a mixture-of-experts model saved at ep=2 loads at ep=4 or ep=1.
 
 A save is atomic: everything goes to `<path>.partial`, rank 0 writes the manifest last and
 renames the directory to `<path>` (one rename; DCP's FileSystemWriter already assumes a file
@@ -58,9 +59,6 @@ FAULT_AT: tuple[str, int] | None = None   # tests: (point, rank) where that rank
 # ---- placements: which piece of which reference tensor this rank holds ----------------------
 def _my_rules(model) -> list:
     cfg, placement = model.cfg, getattr(model, "placement", None)
-    if cfg.n_experts:
-        raise ValueError("checkpoints do not cover mixture-of-experts models yet (model/convert.py "
-                         "has no rules for expert weights): save a dense model (n_experts=0)")
     if placement is None:
         return rules(cfg)
     mine = [s for s, r in enumerate(placement) if r == model.grid.pp.rank]
@@ -77,6 +75,13 @@ def placements(local: dict, model, prefix: str) -> dict:
     out = {}
     for rule in _my_rules(model):
         t = local[rule.name]
+        if rule.experts:                 # this ep rank's experts, each split over tp at rule.dim
+            offsets = [0] * t.dim()
+            offsets[0] = grid.ep.rank * t.shape[0]
+            if rule.dim is not None:
+                offsets[rule.dim] = r * t.shape[rule.dim]
+            out[prefix + rule.parts[0]] = (t, shapes[rule.parts[0]], tuple(offsets))
+            continue
         if rule.dim is None:
             out[prefix + rule.parts[0]] = (t, shapes[rule.parts[0]], (0,) * t.dim())
             continue

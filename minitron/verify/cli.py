@@ -13,7 +13,7 @@ from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
 from ..train.engine import check_supported, resolve_schedule, uses_engine
-from .run import check_built, check_kernels_dtype, enable_kernels, split_batch, verify
+from .run import check_kernels_dtype, enable_kernels, split_batch, verify
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
 
@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
                               cp_variant=args.cp_variant)
-        check_built(pcfg)
         sched = resolve_schedule(pcfg, args.schedule, args.microbatches)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)

@@ -16,17 +16,6 @@ from ..train.engine import check_supported, resolve_schedule
 from .steps import run_rank
 
 
-# Dimensions with a ParallelConfig field but no implementation yet: option -> (what, issue).
-UNBUILT: dict[str, tuple[str, str]] = {}
-
-
-def check_built(pcfg: ParallelConfig) -> None:
-    for field, (what, issue) in UNBUILT.items():
-        if getattr(pcfg, field) > 1:
-            raise NotImplementedError(f"{what} is not built yet (issue: {issue}); "
-                                      f"set {field}=1")
-
-
 def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
     """Make minitron.kernels runnable on the ranks launch() will start; say how they run.
 
@@ -58,7 +47,6 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
     (see enable_kernels).
     """
-    check_built(parallel_config)
     sched = resolve_schedule(parallel_config, schedule, microbatches)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
