@@ -1,10 +1,13 @@
 """python -m minitron.bench overhead
 
 overhead: what the parallel machinery costs when there is nothing to split. The reference GPT
-and each parallel path at size one train on the same batch in the same process, one full step
-each (forward, backward, gradient fix-ups, optimizer), in a rotating order so that all see the
-same machine state, several repeats; the medians are compared:
-  ParallelGPT, tp=1                 every mapping the identity, every collective skipped
+(a plain torch loop: forward, loss, backward, torch's AdamW) and each parallel path at size one,
+a TrainingRun taking its step as the trainer and the verifier take theirs, train on the same
+batch in the same process, one full step each (forward, backward, gradient fix-ups, optimizer),
+in a rotating order so that all see the same machine state, several repeats; the medians are
+compared:
+  ParallelGPT, tp=1                 every mapping the identity, every collective skipped;
+                                    no data-parallel engine (torch's AdamW on the model's .grad)
   pipeline pp=1, 1f1b m=1           PipelineGPT's one stage run by the executor from a schedule
                                     (every action timed; activation memory not tracked)
   data parallel dp=1, ZeRO 0/1/3    flat buffers, bucket hooks, ZeroOptimizer's AdamW on the
@@ -42,13 +45,11 @@ import time
 
 import torch
 
-from ..grid import ParallelConfig, build_grid
-from ..runtime.launch import launch
+from ..grid import ParallelConfig
 from ..model.config import ModelConfig
-from ..model.parallel import ParallelGPT
 from ..model.reference import GPT
-from ..context_parallel import shard_sequence
-from ..train.step import parallel_step
+from ..runtime.launch import launch
+from ..train.engine import TrainingRun
 from ..verify import make_batch, reference_step
 
 TARGET = 1.10            # ParallelGPT at tp=1
@@ -67,86 +68,46 @@ def _adamw(model: torch.nn.Module):
     return step
 
 
-def _paths(cfg: ModelConfig, batch: int, grid) -> dict:
-    """label -> (target, or None for the reference; one training step), all from one reference."""
-    from ..data_parallel import wrap
-    from ..data_parallel.step import forward_backward
-    from ..pipeline import make_schedule
-    from ..pipeline.executor import run_schedule
-    from ..pipeline.partition import PipelineGPT
-
-    ref = GPT(cfg, seed=0)
+def _paths(cfg: ModelConfig, batch: int) -> dict:
+    """label -> (target, or None for the reference; one training step), all from one reference.
+    Every parallel path is one TrainingRun (train/engine.py) taking its step, as the trainer and
+    the verifier take theirs; the reference is a plain torch loop on the single-device GPT."""
     tokens, targets = make_batch(0, 0, batch, cfg.seq_len, cfg.vocab_size)
-    par = ParallelGPT.from_reference(ref, grid)
-    pipe = PipelineGPT.from_reference(ref, grid)
-    schedule = make_schedule("1f1b", 1, 1)
-    ref_step, par_step, pipe_step = _adamw(ref), _adamw(par), _adamw(pipe)
 
-    def reference():
-        reference_step(ref, tokens, targets, 0)
-        ref_step()
-
-    def parallel():
-        parallel_step(par, tokens, targets, 0)
-        par_step()
-
-    def pipeline():
-        pipe.rng.reset(0)
-        run_schedule(schedule, pipe, tokens, targets, keep_outputs=False)
-        pipe_step()
-
-    def data_parallel(stage: int):
-        model = ParallelGPT.from_reference(ref, grid)
-        engine, opt = wrap(model, grid, zero_stage=stage, lr=1e-4)
+    def reference(model_cfg):
+        ref = GPT(model_cfg, seed=0)
+        step = _adamw(ref)
 
         def run():
-            engine.zero_grad()
-            forward_backward(model, engine, tokens, targets, step_seed=0)
-            engine.finish_grad_sync()
-            opt.step()
-        return run
-
-    def context_parallel(force_ring: bool):
-        model = ParallelGPT.from_reference(ref, grid)
-        model.ctx.context_parallel = force_ring   # True: the ring with one rank in it
-        step = _adamw(model)
-        cp = grid.cp
-
-        def run():
-            parallel_step(model, shard_sequence(tokens, cp.size, cp.rank),
-                          shard_sequence(targets, cp.size, cp.rank), 0)
+            reference_step(ref, tokens, targets, 0)
             step()
         return run
 
+    def engine(model_cfg=cfg, force_ring: bool = False, **options):
+        # torch AdamW's defaults (weight decay 0.01, no clipping), as the reference steps
+        run = TrainingRun(model_cfg, ParallelConfig(), lr=1e-4, eps=1e-8, weight_decay=1e-2,
+                          max_norm=None, reference=GPT(model_cfg, seed=0), **options)
+        run.model.ctx.context_parallel = force_ring or run.model.ctx.context_parallel
+        return lambda: run.step(tokens, targets, 0)
+
     moe_cfg = dataclasses.replace(cfg, n_experts=4, topk=2)
-    moe_ref = GPT(moe_cfg, seed=0)
-    moe_par = ParallelGPT.from_reference(moe_ref, grid)
-    moe_ref_step, moe_par_step = _adamw(moe_ref), _adamw(moe_par)
-
-    def moe_reference():
-        reference_step(moe_ref, tokens, targets, 0)
-        moe_ref_step()
-
-    def moe_parallel():
-        parallel_step(moe_par, tokens, targets, 0)
-        moe_par_step()
-
     # label -> (target or None, step, the row its ratio is taken against or None)
     base = "reference GPT"
-    return {base: (None, reference, None),
-            "ParallelGPT, tp=1": (TARGET, parallel, base),
-            "pipeline pp=1, 1f1b m=1": (PATH_TARGET, pipeline, base),
-            "data parallel dp=1": (PATH_TARGET, data_parallel(0), base),
-            "ZeRO-1 dp=1": (PATH_TARGET, data_parallel(1), base),
-            "ZeRO-3 dp=1": (PATH_TARGET, data_parallel(3), base),
-            "context parallel cp=1": (PATH_TARGET, context_parallel(False), base),
-            "ring forced on at cp=1": (None, context_parallel(True), base),
-            "MoE reference GPT": (None, moe_reference, None),
-            "ParallelGPT MoE, ep=1": (PATH_TARGET, moe_parallel, "MoE reference GPT")}
+    return {base: (None, reference(cfg), None),
+            "ParallelGPT, tp=1": (TARGET, engine(zero_stage=None), base),
+            "pipeline pp=1, 1f1b m=1": (PATH_TARGET, engine(zero_stage=None, schedule="1f1b",
+                                                            microbatches=1), base),
+            "data parallel dp=1": (PATH_TARGET, engine(zero_stage=0), base),
+            "ZeRO-1 dp=1": (PATH_TARGET, engine(zero_stage=1), base),
+            "ZeRO-3 dp=1": (PATH_TARGET, engine(zero_stage=3), base),
+            "context parallel cp=1": (PATH_TARGET, engine(zero_stage=None), base),
+            "ring forced on at cp=1": (None, engine(zero_stage=None, force_ring=True), base),
+            "MoE reference GPT": (None, reference(moe_cfg), None),
+            "ParallelGPT MoE, ep=1": (PATH_TARGET, engine(moe_cfg, zero_stage=None), "MoE reference GPT")}
 
 
 def _overhead_rank(cfg: ModelConfig, batch: int, repeats: int, warmup: int) -> dict:
-    paths = _paths(cfg, batch, build_grid(ParallelConfig(tp=1)))
+    paths = _paths(cfg, batch)
     names = list(paths)
     times = {n: {"wall": [], "cpu": []} for n in names}
     for i in range(warmup + repeats):
