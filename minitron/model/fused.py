@@ -18,12 +18,14 @@ ops' torch twins: a check against the reference would then pass without running 
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 import torch.nn as nn
 
 from ..kernels import ops   # imports no triton until a kernel first runs
+from ..runtime.launch import _pick_backend
 from ..tensor_parallel.random import DropoutRNG
 from .config import ModelConfig
 from .reference import make_norm
@@ -99,3 +101,20 @@ def fused_attention_core(q, k, v, cfg: ModelConfig, rng: DropoutRNG, training: b
     probs = rng.dropout(probs, cfg.dropout, training, index=(slice(None), head_index),
                         full_shape=(b, full_heads, s, s))   # drawn as attention_core draws it
     return (probs.reshape(b, hkv, hq // hkv, s, s) @ v.unsqueeze(2)).reshape(b, hq, s, d)
+
+
+def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
+    """Make minitron.kernels runnable on the ranks launch() will start; say how they run.
+
+    Ranks on GPUs run the compiled kernels. Ranks on the CPU need Triton's interpreter, which
+    triton.jit picks when triton is first imported: so TRITON_INTERPRET=1 goes into this
+    process's environment here, before anything imports triton, and the forked ranks inherit
+    it. Raises ValueError (before any rank starts) where the kernels still cannot run.
+    """
+    if _pick_backend(world_size) == "nccl":
+        check_kernels(mcfg, torch.device("cuda"))
+        return "kernels=compiled Triton on the GPUs"
+    os.environ["TRITON_INTERPRET"] = "1"
+    check_kernels(mcfg, torch.device("cpu"))   # e.g. triton already imported without it
+    return ("kernels=Triton interpreter on the CPU (TRITON_INTERPRET=1, set before "
+            "the ranks start: no GPU per rank)")

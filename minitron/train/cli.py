@@ -14,6 +14,7 @@ directory it cannot write: one line on stderr and exit code 2 (1 if a rank fails
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,13 +25,16 @@ import torch
 
 from . import checkpoint, data
 from ..estimate import flops
-from ..grid import ParallelConfig
+from ..grid import CP_VARIANTS, ParallelConfig
 from ..runtime.launch import RankError, launch
-from ..model.config import ModelConfig
+from ..model.config import CHOICES, ModelConfig
+from ..model.fused import enable_kernels
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
 from ..pipeline.partition import check_placement
 from .engine import TrainingRun, check_supported, resolve_schedule
+from .lr import LR_SCHEDULES, describe, learning_rate
+from .progress import Progress, plot
 
 
 class UsageError(ValueError):
@@ -44,29 +48,68 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m minitron.train", description=__doc__.split("\n")[0])
-    a = p.add_argument
-    for dim in ("tp", "pp", "dp", "virtual"):
-        a(f"--{dim}", type=int, default=1)
-    a("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
-    a("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    a("--schedule", default=None, help="pipeline schedule (1f1b, gpipe, interleaved, zb-h1, ...)")
-    a("--microbatches", type=int, default=None, help="default: 2*pp with a pipeline, else 1")
-    a("--steps", type=int, default=300)
-    a("--batch", type=int, default=16, help="sequences per step (global)")
-    a("--seq", type=int, default=64)
-    a("--hidden", type=int, default=64)
-    a("--layers", type=int, default=2)
-    a("--heads", type=int, default=4)
-    a("--lr", type=float, default=3e-3)
-    a("--seed", type=int, default=0)
-    a("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "data", "corpus.txt"))
-    a("--out", default="runs/train")
-    a("--eval-every", type=int, default=50)
-    a("--save-every", type=int, default=100, help="0: no checkpoints")
-    a("--resume", default=None, help="a checkpoint directory (any grid may have saved it)")
-    a("--sample", type=int, default=200, help="characters of generated text at the end; 0: none")
-    a("--peak-tflops", type=float, default=None, help="per-device peak for MFU (GPUs: detected)")
+    g = p.add_argument_group("parallelism").add_argument
+    for dim in ("tp", "pp", "dp", "cp", "ep", "virtual"):
+        g(f"--{dim}", type=int, default=1)
+    g("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    g("--cp-variant", choices=CP_VARIANTS, default="ring", help="how attention crosses cp ranks")
+    g("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    g("--schedule", default=None, help="pipeline schedule (1f1b, gpipe, interleaved, zb-h1, ...)")
+    g("--microbatches", type=int, default=None, help="default: 2*pp with a pipeline, else 1")
+    g("--micro-batch", type=int, default=None, dest="micro_batch",
+      help="sequences per micro-batch and replica: --batch / (dp*ep * this) micro-batches per "
+           "step, their gradients accumulated (instead of --microbatches)")
+    m = p.add_argument_group("model").add_argument
+    m("--seq", type=int, default=64)
+    m("--hidden", type=int, default=64)
+    m("--layers", type=int, default=2)
+    m("--heads", type=int, default=4)
+    m("--kv-heads", type=int, default=None, help="grouped-query attention (default: heads)")
+    m("--norm", choices=CHOICES["norm"], default=None)
+    m("--activation", choices=CHOICES["activation"], default=None)
+    m("--position", choices=CHOICES["position"], default=None)
+    m("--dropout", type=float, default=None)
+    m("--tie", action="store_true", help="tie the output layer to the embedding")
+    m("--recompute", choices=CHOICES["recompute"], default=None)
+    m("--kernels", action="store_true", help="the fused Triton kernels (CPU: their interpreter, slow)")
+    m("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    m("--topk", type=int, default=2, help="experts per token")
+    m("--capacity-factor", type=float, default=None, help="default dropless")
+    o = p.add_argument_group("optimisation").add_argument
+    o("--steps", type=int, default=300)
+    o("--batch", type=int, default=16, help="sequences per step (global)")
+    o("--lr", type=float, default=3e-3, help="peak learning rate")
+    o("--lr-schedule", choices=LR_SCHEDULES, default="cosine")
+    o("--warmup", type=int, default=None, help="linear warm-up steps (default: a tenth of --steps)")
+    o("--min-lr", type=float, default=None, help="where the cosine ends (default lr/10)")
+    o("--weight-decay", type=float, default=0.0)
+    o("--clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
+    o("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+      help="16-bit: fp32 master weights; float16 with dynamic loss scaling")
+    r = p.add_argument_group("run").add_argument
+    r("--seed", type=int, default=0)
+    r("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "data", "corpus.txt"))
+    r("--out", default="runs/train")
+    r("--eval-every", type=int, default=50)
+    r("--save-every", type=int, default=100, help="0: no checkpoints")
+    r("--resume", default=None, help="a checkpoint directory (any grid may have saved it)")
+    r("--sample", type=int, default=200, help="characters of generated text at the end; 0: none")
+    r("--peak-tflops", type=float, default=None, help="per-device peak for MFU (GPUs: detected)")
     return p
+
+
+_MODEL_FLAGS = {"kv_heads": "n_kv_heads", "norm": "norm", "activation": "activation",
+                "position": "position", "dropout": "dropout", "recompute": "recompute"}
+
+
+def model_config(args) -> ModelConfig:
+    """The ModelConfig the flags ask for; a flag left out keeps ModelConfig's default."""
+    given = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()
+             if getattr(args, flag) is not None}
+    return ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
+                       n_layers=args.layers, n_heads=args.heads, tie_embeddings=args.tie,
+                       use_kernels=args.kernels, n_experts=args.experts, topk=args.topk,
+                       capacity_factor=args.capacity_factor, **given)
 
 
 def configure(args) -> tuple[ModelConfig, ParallelConfig]:
@@ -74,23 +117,37 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     for name in ("steps", "batch", "seq", "eval_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    mcfg = ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
-                       n_layers=args.layers, n_heads=args.heads)
-    pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, virtual_pp=args.virtual,
-                          sequence_parallel=args.sp)
+    args.warmup = args.steps // 10 if args.warmup is None else args.warmup
+    if args.warmup < 0 or args.clip < 0:
+        raise UsageError("--warmup and --clip must be >= 0 (0: no warm-up, no clipping)")
+    mcfg = model_config(args)
+    pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
+                          virtual_pp=args.virtual, sequence_parallel=args.sp,
+                          cp_variant=args.cp_variant)
     pcfg.validate(model=mcfg, seq_len=args.seq)
     if args.schedule and args.pp == 1 and args.virtual == 1:
         raise UsageError(f"--schedule {args.schedule} needs a pipeline: add --pp 2 (or more)")
     if args.pp > 1 or args.virtual > 1:
         check_placement(mcfg, args.pp, tuple(s % args.pp for s in range(args.pp * args.virtual)))
+    replicas = args.dp * args.ep
+    if args.micro_batch is not None:
+        if args.micro_batch < 1 or args.batch % (replicas * args.micro_batch):
+            raise UsageError(f"--micro-batch {args.micro_batch} must divide the {args.batch} "
+                             f"sequences of --batch over dp*ep={replicas} replicas: use a divisor "
+                             f"of {args.batch // replicas}")
+        args.microbatches = args.batch // (replicas * args.micro_batch)
     args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
-    if args.batch % (args.dp * args.microbatches):
-        raise UsageError(f"--batch {args.batch} must split into dp={args.dp} replicas of "
+    if args.batch % (replicas * args.microbatches):
+        raise UsageError(f"--batch {args.batch} must split into dp*ep={replicas} replicas of "
                          f"{args.microbatches} micro-batches: use a multiple of "
-                         f"{args.dp * args.microbatches}")
+                         f"{replicas * args.microbatches}")
+    args.dtype_ = getattr(torch, args.dtype)
+    if args.kernels:
+        enable_kernels(mcfg, pcfg.world_size)        # before anything imports triton
     # an unknown or impossible schedule fails here, and what the engine does not run
-    check_supported(pcfg, mcfg, torch.float32, args.zero,
+    check_supported(pcfg, mcfg, args.dtype_, args.zero,
                     resolve_schedule(pcfg, args.schedule, args.microbatches))
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     try:
         os.makedirs(args.out, exist_ok=True)
         probe = os.path.join(args.out, ".write-test")
@@ -106,7 +163,10 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
 # ---- what every rank runs -------------------------------------------------------------------
 def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | None):
     run = TrainingRun(mcfg, pcfg, zero_stage=args.zero, microbatches=args.microbatches,
-                      schedule=args.schedule, lr=args.lr, seed=args.seed)
+                      schedule=args.schedule, lr=args.lr, weight_decay=args.weight_decay,
+                      max_norm=args.clip or None, dtype=args.dtype_, seed=args.seed)
+    lr_at = functools.partial(learning_rate, peak=args.lr, steps=args.steps, warmup=args.warmup,
+                              min_lr=args.min_lr, schedule=args.lr_schedule)
     lead = run.grid.rank == 0
     tokens = np.memmap(os.path.join(args.out, "corpus.bin"), dtype=np.uint8, mode="r")  # main() made it
     train, val = data.split(tokens)
@@ -115,16 +175,20 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
     start = 0
     if args.resume:
         start = checkpoint.load(args.resume, run.model, run.engine, run.optimizer)["step"]
-    bar = _Progress(progress_fd if lead else None, args.steps)
+    bar = Progress(progress_fd if lead else None, args.steps)
+    bar.header(describe(peak=args.lr, steps=args.steps, warmup=args.warmup, min_lr=args.min_lr,
+                        schedule=args.lr_schedule))
     metrics, log = [], \
         open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w") if lead else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (flops.detect_peak() or (None,))[0]
     for step in range(start, args.steps):
         t0 = time.perf_counter()
+        run.set_lr(lr_at(step))
         loss = run.step(*loader.batch(step), step)
         seconds = time.perf_counter() - t0
         rate = flops.throughput(mcfg, args.batch, seconds, gpus=pcfg.world_size, peak=peak, seq=args.seq)
-        row = {"step": step + 1, "loss": loss, "tokens_per_s": rate["tokens/s"], "mfu": rate.get("MFU")}
+        row = {"step": step + 1, "loss": loss, "lr": lr_at(step), "tokens_per_s": rate["tokens/s"],
+               "mfu": rate.get("MFU"), **run.health()}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             row["eval_loss"] = run.evaluate(*held_out.batch(0))
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
@@ -167,51 +231,6 @@ def _sample(run: TrainingRun, mcfg: ModelConfig, args) -> str | None:
             probs = torch.softmax(logits / 0.8, dim=-1)
             ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
     return data.decode(ids[0].tolist())
-
-
-class _Progress:
-    """One line, rewritten in place on a terminal; a line every 10% otherwise."""
-
-    def __init__(self, fd: int | None, total: int):
-        self.out = os.fdopen(fd, "w") if fd is not None else None
-        self.total, self.tty = total, self.out is not None and self.out.isatty()
-
-    def show(self, row: dict) -> None:
-        if self.out is None:
-            return
-        n = row["step"]
-        filled = int(20 * n / self.total)
-        mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "n/a (--peak-tflops)"
-        line = (f"step {n:>5}/{self.total} [{'#' * filled}{'.' * (20 - filled)}] loss {row['loss']:.3f}"
-                f" | {row['tokens_per_s']:,.0f} tok/s | MFU {mfu}")
-        if "eval_loss" in row:
-            line += f" | eval {row['eval_loss']:.3f}"
-        if self.tty:
-            self.out.write("\r" + line + ("\n" if "eval_loss" in row else ""))
-        elif "eval_loss" in row or n == 1:
-            self.out.write(line + "\n")
-        self.out.flush()
-
-    def close(self) -> None:
-        if self.out is not None:
-            self.out.write("\n" if self.tty else "")
-            self.out.close()
-
-
-# ---- the parent -----------------------------------------------------------------------------
-def plot(metrics: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="train")
-    ev = [m for m in metrics if "eval_loss" in m]
-    ax.plot([m["step"] for m in ev], [m["eval_loss"] for m in ev], "o-", label="held-out")
-    ax.set(xlabel="step", ylabel="loss (nats per byte)", title="minitron.train")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from ..grid import ParallelConfig, build_grid
 from ..model.config import ModelConfig
 from ..model.convert import grads_state_dict
 from ..moe.layer import check_moe_grid
+from ..moe.router import imbalance
 from ..pipeline.partition import PipelineGPT
 from ..pipeline.schedules import make_schedule
 from ..runtime import comm
@@ -187,6 +188,28 @@ class TrainingRun:
         loss = self.forward_backward(tokens, targets, step).loss
         self.last_update = self.optimizer_step()
         return float(loss)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps (a schedule sets it every step)."""
+        if self.engine is None:
+            for group in self.side.opt.param_groups:
+                group["lr"] = lr
+        else:
+            self.optimizer.lr = lr
+
+    def health(self) -> dict:
+        """What a progress line shows besides the loss: the last step's gradient norm, the loss
+        scale (fp16), the experts' load balance (max / mean tokens per expert, worst layer)."""
+        out = {}
+        norm = getattr(self, "last_update", {}).get("norm")
+        if norm is not None:
+            out["grad_norm"] = float(norm)
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+        counts = [m.tokens_per_expert for m in self.model.moe_layers() if m.tokens_per_expert is not None]
+        if counts:
+            out["expert_load"] = max(imbalance(c) for c in counts)
+        return out
 
     # ---- this rank's tensors in the reference's names (verify, checkpoints) ----
     @property

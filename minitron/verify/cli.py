@@ -9,11 +9,12 @@ import torch
 
 from ..grid import CP_VARIANTS, ParallelConfig, validate_model
 from ..model.config import CHOICES, ModelConfig
+from ..model.fused import enable_kernels
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
 from ..train.engine import check_supported, resolve_schedule, uses_engine
-from .run import check_kernels_dtype, enable_kernels, split_batch, verify
+from .run import check_kernels_dtype, split_batch, verify
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
 

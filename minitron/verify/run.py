@@ -8,29 +8,12 @@ import torch
 
 from ..grid import ParallelConfig, validate_model
 from ..model.config import ModelConfig
-from ..model.fused import check_kernels
-from ..runtime.launch import DEFAULT_TIMEOUT, _pick_backend, launch
+from ..model.fused import enable_kernels
+from ..runtime.launch import DEFAULT_TIMEOUT, launch
+from ..train.engine import check_supported, resolve_schedule
 from .checks import Report
 from .plants import Plant
-from ..train.engine import check_supported, resolve_schedule
 from .steps import run_rank
-
-
-def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
-    """Make minitron.kernels runnable on the ranks launch() will start; say how they run.
-
-    Ranks on GPUs run the compiled kernels. Ranks on the CPU need Triton's interpreter, which
-    triton.jit picks when triton is first imported: so TRITON_INTERPRET=1 goes into this
-    process's environment here, before anything imports triton, and the forked ranks inherit
-    it. Raises ValueError (before any rank starts) where the kernels still cannot run.
-    """
-    if _pick_backend(world_size) == "nccl":
-        check_kernels(mcfg, torch.device("cuda"))
-        return "kernels=compiled Triton on the GPUs"
-    os.environ["TRITON_INTERPRET"] = "1"
-    check_kernels(mcfg, torch.device("cpu"))   # e.g. triton already imported without it
-    return ("kernels=Triton interpreter on the CPU (TRITON_INTERPRET=1 set by minitron.verify: "
-            "no GPU per rank)")
 
 
 def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: int = 3, *,
