@@ -193,9 +193,14 @@ class GroupBuffer:
         so autograd hands over what it computed instead of adding it to zeros: one pass over
         the gradients fewer); it is copied in, and later micro-batches add into the view."""
         view = self.layout.view(self.grads_flat, p)
-        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-            if p.grad is not None:
-                view.copy_(p.grad)
+        if p.grad is None:
+            # Nothing accumulated yet: a zero-bubble B calls the hook of a weight whose gradient
+            # its deferred W will add later (tensor_parallel/weight_grad.py). The view still holds
+            # last step's gradient: zero it, or the W adds onto that.
+            view.zero_()
+            p.grad = view
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
             p.grad = view
 
     def fill_missing(self, b: int) -> None:

@@ -183,9 +183,12 @@ class _Run:
             else:
                 self.grad_out[(a.microbatch, a.stage)] = t
 
-    def run(self, actions) -> None:
+    def run(self, actions, on_last_backward=None) -> None:
         batch: list[Action] = []
-        for action in actions:
+        tail = last_backward_tail(actions, self.schedule.microbatches)
+        for i, action in enumerate(actions):
+            if i == tail and on_last_backward is not None:
+                on_last_backward()
             if action.kind in COMPUTE:
                 if batch:
                     self.messages(batch)
@@ -197,9 +200,26 @@ class _Run:
             self.messages(batch)
 
 
+def last_backward_tail(actions: list[Action], microbatches: int) -> int | None:
+    """Where the rank's last backward work starts: the index of the first action after which
+    every backward action (BW, B, W) is of the last micro-batch; None if the rank has none.
+    From there each parameter receives exactly one more gradient, so a data-parallel engine can
+    count it as ready and start its bucket while the rest of the backward runs. Not with a
+    B/W split (zero-bubble schedules): a weight's gradient lands in its deferred W, outside the
+    autograd hooks that count readiness, so those runs reduce everything after the schedule."""
+    if any(a.kind == W for a in actions):
+        return None
+    last = microbatches - 1
+    backward = [i for i, a in enumerate(actions) if a.kind in (BW, B, W)]
+    earlier = [i for i in backward if actions[i].microbatch != last]
+    tail = [i for i in backward if actions[i].microbatch == last and (not earlier or i > earlier[-1])]
+    return tail[0] if tail else None
+
+
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
                  *, plant=None, keep_outputs: bool = True, track_memory: bool = False,
-                 first_row: int = 0, finalize_grads: bool = True) -> StepResult:
+                 first_row: int = 0, finalize_grads: bool = True,
+                 on_last_backward=None) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank;
     a cp rank runs its own chunks of every sequence).
 
@@ -209,12 +229,14 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0).
     A data-parallel replica passes its rows of the batch and `first_row`, where they start in
     the global batch (dropout masks are keyed by global row), and finalize_grads=False: its
-    engine's finish_grad_sync does the same sums on the gradient pieces it keeps."""
+    engine's finish_grad_sync does the same sums on the gradient pieces it keeps.
+    `on_last_backward()` is called once, where the rank's last micro-batch's backward begins
+    (last_backward_tail): a data-parallel engine turns its sync on there."""
     check_schedule_fits(schedule, model, tokens.shape[0])
     run = _Run(schedule, model, tokens, targets, plant, keep_outputs, track_memory, first_row)
     weight_grad.STORE.clear()
     comm.barrier(comm.Group("world", range(model.grid.world_size)))   # one start line for the clocks
-    run.run(schedule.actions[model.grid.pp.rank])
+    run.run(schedule.actions[model.grid.pp.rank], on_last_backward)
     if weight_grad.STORE.queues:
         left = sorted(weight_grad.STORE.queues, key=str)
         weight_grad.STORE.clear()

@@ -11,7 +11,8 @@ A step takes one of two shapes, by whether the model is cut into pipeline stages
                runs under the data-parallel engine's no_sync, so each bucket is sent once and
                the last micro-batch's communication overlaps its backward.
   a schedule   the pipeline executor runs the schedule's actions (pipeline/executor.py) under
-               no_sync; the engine reduces the accumulated gradients once after the last.
+               no_sync; the sync comes back on where the last micro-batch's backward begins,
+               so its buckets are reduced while that backward runs.
 
 Either way the gradient fix-ups run once at the end: the engine's finish_grad_sync (its bucket
 all-reduces, the sequence-parallel sums over tp, the average over cp, the tied embedding over
@@ -28,7 +29,7 @@ import dataclasses
 import torch
 
 from ..context_parallel import shard_sequence, unshard_sequence
-from ..data_parallel import local_rows
+from ..data_parallel import DataParallel, local_rows
 from ..pipeline.executor import collect_outputs, run_schedule
 from ..runtime import comm
 
@@ -129,12 +130,19 @@ def _unpipelined(model, engine, hooks, tokens, targets, step_seed, first, microb
 
 
 def _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed, first, keep):
-    """The pipeline executor on this replica's rows; the engine reduces once, after the last."""
+    """The pipeline executor on this replica's rows, under the engine's no_sync. DataParallel's
+    sync comes back on where the rank's last micro-batch's backward begins (Megatron's way; not
+    under a B/W split, see executor.last_backward_tail), so its buckets start while that
+    backward runs; ZeRO-3 reduce-scatters each micro-batch by
+    itself (data_parallel/zero3.py), and finish_grad_sync completes either."""
     model.rng.reset(step_seed)
     quiet = engine.no_sync() if engine is not None else contextlib.nullcontext()
+    def resume():
+        engine.sync_enabled = True
     with quiet:
         result = run_schedule(schedule, model, tokens, targets, plant=hooks, first_row=first,
-                              keep_outputs=keep, finalize_grads=engine is None)
+                              keep_outputs=keep, finalize_grads=engine is None,
+                              on_last_backward=resume if isinstance(engine, DataParallel) else None)
     if engine is not None:
         engine.finish_grad_sync()
     hooks.grads(model, model.grid)
