@@ -7,6 +7,7 @@ back in order are compared with full attention on the whole sequence (float64: t
 merge without rescaling is caught. Then the measured figures: saved activations per rank
 fall as 1/cp, the ring's bytes equal the formula, the balanced split's work is even.
 """
+import contextlib
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from minitron.context_parallel import (VARIANTS, attention_flops_per_rank, chunk
                                        context_parallel_attention, imbalance, positions,
                                        ring_bytes, scores_per_rank, shard_sequence,
                                        unshard_sequence)
-from minitron.context_parallel.blocks import Accumulator
+from minitron.verify.plants import merged_without_rescale
 from minitron.context_parallel.measure import PeakBytes, saved_bytes
 from minitron.context_parallel.ulysses import torch_attention
 from minitron.grid import ParallelConfig, build_grid
@@ -53,8 +54,7 @@ def _errors(grid, variant, causal, hq, hkv, layout, dtype=torch.float64, d=8, ch
 
 def _all_cases(cp, variant, planted=False):
     grid = build_grid(ParallelConfig(cp=cp))
-    Accumulator.rescale = not planted
-    try:
+    with merged_without_rescale() if planted else contextlib.nullcontext():
         cases = {}
         for causal in (True, False):
             for layout in ("zigzag", "contiguous"):
@@ -62,8 +62,6 @@ def _all_cases(cp, variant, planted=False):
                     key = f"{'causal' if causal else 'full'}-{layout}-hq{hq}-hkv{hkv}"
                     cases[key] = _errors(grid, variant, causal, hq, hkv, layout)
         return cases
-    finally:
-        Accumulator.rescale = True
 
 
 @pytest.mark.parametrize("cp", [2, 4])

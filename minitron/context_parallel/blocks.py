@@ -98,8 +98,6 @@ def kernel_backward(do, q, k, v, out, lse, causal: bool, scale: float):
 class Accumulator:
     """The running (out, lse) of this rank's queries, merged block by block (online softmax)."""
 
-    rescale = True   # False only in a planted bug (tests, verify): blocks summed as they come
-
     def __init__(self, q: torch.Tensor):
         b, h, m, d = q.shape
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -109,10 +107,7 @@ class Accumulator:
     def merge(self, rows: slice, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
         out, lse = self.out[:, :, rows], self.lse[:, :, rows]
         new = torch.logaddexp(lse, lse_b.to(lse.dtype))
-        if self.rescale:
-            out.copy_(torch.exp(lse - new)[..., None] * out + torch.exp(lse_b - new)[..., None] * out_b)
-        else:
-            out.add_(out_b)
+        out.copy_(torch.exp(lse - new)[..., None] * out + torch.exp(lse_b - new)[..., None] * out_b)
         lse.copy_(new)
 
 

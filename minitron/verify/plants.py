@@ -126,18 +126,9 @@ class Plant(StepHooks):
         """The chunk order the batch is cut in (the model always assumes zigzag)."""
         return "contiguous" if self.kind == "cp-chunk-order" else "zigzag"
 
-    @contextlib.contextmanager
     def attention(self):
         """cp-no-rescale: while the forward runs, ring/all-gather blocks merge unscaled."""
-        if self.kind != "cp-no-rescale":
-            yield
-            return
-        from ..context_parallel.blocks import Accumulator
-        Accumulator.rescale = False
-        try:
-            yield
-        finally:
-            Accumulator.rescale = True
+        return merged_without_rescale() if self.kind == "cp-no-rescale" else contextlib.nullcontext()
 
     # ---- data-parallel engine faults (steps.py asks, once the engine is built) ----
     def engine(self, engine) -> None:
@@ -165,6 +156,23 @@ class Plant(StepHooks):
         elif self.kind == "weight-drift" and self._on_rank_1(grid):
             for p in self._params(model):
                 p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+
+
+@contextlib.contextmanager
+def merged_without_rescale():
+    """Inside the block, context_parallel.blocks.Accumulator sums the blocks' outputs as they
+    come, without the exp(lse_block - lse) rescale of the online softmax (a planted bug)."""
+    from ..context_parallel.blocks import Accumulator
+
+    def unscaled(self, rows, out_b, lse_b):
+        lse = self.lse[:, :, rows]
+        self.out[:, :, rows].add_(out_b)
+        lse.copy_(torch.logaddexp(lse, lse_b.to(lse.dtype)))
+    merge, Accumulator.merge = Accumulator.merge, unscaled
+    try:
+        yield
+    finally:
+        Accumulator.merge = merge
 
 
 def _never_reduce_bucket(engine, b: int) -> None:
