@@ -79,8 +79,6 @@ def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
     refusals = [
         (dtype == torch.float64, "data parallelism and ZeRO step float32 master weights "
                                  "(ZeroOptimizer): use float32, bfloat16 or float16"),
-        (pcfg.cp > 1 and dtype in SIXTEEN_BIT,
-         "context parallelism runs in float32 so far: use cp with float32"),
         (zero == 3 and mcfg.tie_embeddings, "ZeRO-3 gathers the embedding for its own forward "
                                             "only, a tied output layer reuses it later: untie "
                                             "the embeddings (drop --tie) or use ZeRO 0-2"),
