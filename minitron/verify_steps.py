@@ -28,7 +28,7 @@ from . import comm
 from .context_parallel import shard_sequence, unshard_sequence
 from .data_parallel import gathered_grads, gathered_params, load_grads, local_rows, wrap
 from .grid import ParallelConfig, build_grid
-from .model.config import ModelConfig
+from .model.config import ConfigError, ModelConfig
 from .model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from .model.parallel import ParallelGPT
 from .moe.layer import check_moe_grid
@@ -57,6 +57,21 @@ def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> b
     return pcfg.dp > 1 or pcfg.ep > 1 or zero is not None or dtype in SIXTEEN_BIT
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:
+    """Why verify cannot compare this grid and model in `dtype`, or None."""
+    if mcfg.n_experts and dtype in SIXTEEN_BIT:
+        return ("a 16-bit router's top-k choice flips on the rounding differences between the two "
+                "sides (a discontinuity no tolerance covers)")
+    if dtype == torch.float64 and uses_engine(pcfg, zero, dtype):
+        return ("the data-parallel engine (dp > 1, ep > 1 or a ZeRO stage) steps float32 master "
+                "weights (ZeroOptimizer)")
+    return None
+
+
 def check_data_parallel(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
                         zero: int | None, schedule) -> None:
     """Refuse, before any rank starts, what the data-parallel path does not run (ValueError)."""
@@ -66,15 +81,14 @@ def check_data_parallel(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dt
     if mcfg.n_experts and (schedule is not None or zero == 3):
         raise ValueError("experts are verified without a pipeline and without ZeRO-3: use --pp 1 "
                          "and --zero 0, 1 or 2 with --experts")
-    if mcfg.n_experts and dtype in SIXTEEN_BIT:
-        raise ValueError("a 16-bit router's top-k choice flips on the rounding differences between "
-                         "the two sides (a discontinuity no tolerance covers): verify experts in "
-                         "float32 or float64")
+    why = dtype_refusal(pcfg, mcfg, dtype, zero)
+    if why:                                # one rule, so every refusal names the same dtypes
+        works = [name for name, d in DTYPES.items() if not dtype_refusal(pcfg, mcfg, d, zero)]
+        raise ConfigError("{dtype}: %s" % why, {"dtype": str(dtype).removeprefix("torch.")},
+                          [{"dtype": name} for name in works])
     if not uses_engine(pcfg, zero, dtype):
         return
     refusals = [
-        (dtype == torch.float64, "data parallelism and ZeRO step float32 master weights "
-                                 "(ZeroOptimizer): verify them in float32, bfloat16 or float16"),
         (pcfg.cp > 1 and (pcfg.ep > 1 or dtype in SIXTEEN_BIT),
          "context parallelism is verified with data parallelism and ZeRO in float32, without "
          "expert parallelism: use --cp with --ep 1 and --dtype float32"),
