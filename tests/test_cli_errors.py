@@ -102,3 +102,12 @@ def test_python_errors_name_fields_not_flags():
 def test_the_kernels_dtype_refusal_still_names_float32(capsys, no_ranks):
     assert verify.main(["--kernels", "--dtype", "bfloat16"]) == 2
     assert "use --dtype float32" in capsys.readouterr().err
+
+
+def test_a_config_error_survives_pickling():
+    """A rank may send one back to the launcher: it must arrive whole, fixes included."""
+    import pickle
+    with pytest.raises(ConfigError) as e:
+        validate_model(ParallelConfig(pp=3), ModelConfig(n_layers=4))
+    back = pickle.loads(pickle.dumps(e.value))
+    assert str(back) == str(e.value) and back.as_flags({"pp": "--pp"}) == e.value.as_flags({"pp": "--pp"})

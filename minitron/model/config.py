@@ -27,6 +27,9 @@ class ConfigError(ValueError):
         self.fixes = [dict(f) for f in fixes]
         super().__init__(self._render(None))
 
+    def __reduce__(self):                 # picklable (a rank may send one back), args intact
+        return type(self), (self.template, self.values, self.fixes, self.note)
+
     def as_flags(self, flags: dict[str, str]) -> str:
         return self._render(flags)
 
