@@ -12,11 +12,12 @@ STAMP := $(VENV)/.minitron-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Makefile too: a change of the extras below reaches an existing .venv.
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[course,kernels,test]"
+	$(BIN)/python -m pip install --quiet -e ".[course,kernels,test,hf]"
 	@touch $(STAMP)
 
 # Jupyter refuses to run as root unless told to (containers and cloud machines often are root).
@@ -25,7 +26,8 @@ lab: setup
 	$(BIN)/jupyter lab $(ALLOW_ROOT) lessons/00_collectives.ipynb
 
 # The whole suite: unit and multi-process tests, every lesson and solution under nbval,
-# and every unsolved exercise shown to fail its grading. Test files run whole on one of up to
+# and every unsolved exercise shown to fail its grading. The set-up installs the hf extra
+# (transformers, CPU-only), so tests/test_hf.py's comparisons with transformers run too. Test files run whole on one of up to
 # four workers (pytest-xdist, one per CPU): a module's fixtures, such as the grading one, run
 # once, and the many tests that mostly wait on gloo overlap with the ones that compute.
 test: setup

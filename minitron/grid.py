@@ -39,6 +39,7 @@ as they are. minitron also has no separate expert tensor-parallel size: experts 
 from __future__ import annotations
 
 import dataclasses
+import math
 from itertools import product
 
 import torch
@@ -81,17 +82,20 @@ class ParallelConfig:
     cp_variant: str = "ring"
 
     def __post_init__(self):
+        from .model.config import ConfigError   # here: minitron.model imports this module
         for name in (*DIMS, "virtual_pp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError("{%s} must be a positive integer" % name, {name: value}, [{name: 1}],
+                                  note=f"ParallelConfig.{name}")
         if self.cp_variant not in CP_VARIANTS:
-            raise ValueError(f"ParallelConfig.cp_variant={self.cp_variant!r}: choose one of "
-                             f"{CP_VARIANTS}")
+            raise ConfigError("{cp_variant}: choose one of %s" % (CP_VARIANTS,),
+                              {"cp_variant": self.cp_variant}, [{"cp_variant": "ring"}])
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel shards the norm/dropout regions across the "
-                             "tensor-parallel group, so it needs tp > 1: set tp >= 2 or drop "
-                             "sequence_parallel")
+            raise ConfigError("{sequence_parallel} shards the norm/dropout regions across the "
+                              "tensor-parallel group, so it needs tp > 1, not {tp}",
+                              {"sequence_parallel": True, "tp": 1},
+                              [{"tp": 2}, {"sequence_parallel": False}])
 
     @property
     def world_size(self) -> int:
@@ -143,46 +147,84 @@ class ParallelConfig:
             validate_model(self, model, seq_len)
 
 
-def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None) -> None:
-    """Check that `model` (a ModelConfig or anything with the same fields) splits on `cfg`."""
+def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None, *,
+                   suggest: bool = True) -> None:
+    """Check that `model` (a ModelConfig or anything with the same fields) splits on `cfg`.
+
+    Raises ConfigError naming the clashing fields and values that work (the nearest ones)."""
+    from .model.config import ConfigError, divisors, near, next_multiple   # see __post_init__
     heads, kv = model.n_heads, getattr(model, "n_kv_heads", None) or model.n_heads
-    if heads % cfg.tp:
-        raise ValueError(f"n_heads={heads} is not divisible by tp={cfg.tp}: each tensor-parallel "
-                         f"rank must own whole heads; choose tp dividing {heads}")
-    if kv % cfg.tp:
-        raise ValueError(f"n_kv_heads={kv} is not divisible by tp={cfg.tp}: use tp dividing {kv} "
-                         "(or more key/value heads)")
     ffn = getattr(model, "ffn", None)
+
+    def working(dim: str, values) -> list[dict]:     # the nearest values that pass every check
+        def ok(v):
+            try:
+                validate_model(dataclasses.replace(cfg, **{dim: v}), model, seq_len, suggest=False)
+            except ValueError:
+                return False
+            return True
+        if not suggest:
+            return []
+        good = [v for v in values if v != getattr(cfg, dim) and ok(v)]
+        return [{dim: v} for v in near(good, getattr(cfg, dim))]
+
+    tp_works = divisors(math.gcd(heads, kv, ffn or heads))      # tp must divide all three
+    if heads % cfg.tp:
+        raise ConfigError("{n_heads} is not divisible by {tp}: each tensor-parallel rank must own "
+                          "whole heads", {"n_heads": heads, "tp": cfg.tp},
+                          working("tp", tp_works))
+    if kv % cfg.tp:
+        raise ConfigError("{n_kv_heads} is not divisible by {tp}: each tensor-parallel rank must "
+                          "own whole key/value heads", {"n_kv_heads": kv, "tp": cfg.tp},
+                          working("tp", tp_works) + [{"n_kv_heads": k} for k in divisors(heads)
+                                                     if k > kv and k % cfg.tp == 0][:1])
     if ffn is not None and ffn % cfg.tp:
-        raise ValueError(f"ffn_hidden={ffn} is not divisible by tp={cfg.tp}: each rank must own "
-                         "whole MLP columns; choose a multiple of tp")
-    layers = model.n_layers
-    if layers % (cfg.pp * cfg.virtual_pp):
-        raise ValueError(f"n_layers={layers} is not divisible by pp*virtual_pp={cfg.pp}*"
-                         f"{cfg.virtual_pp}: every pipeline chunk needs the same number of layers")
+        raise ConfigError("{ffn_hidden} is not divisible by {tp}: each rank must own whole MLP "
+                          "columns", {"ffn_hidden": ffn, "tp": cfg.tp},
+                          working("tp", tp_works))
+    layers, chunks = model.n_layers, cfg.pp * cfg.virtual_pp
+    if layers % chunks:
+        pp_works = [p for p in divisors(layers) if layers % (p * cfg.virtual_pp) == 0]
+        raise ConfigError("{n_layers} is not divisible by {pp} * {virtual_pp}: every "
+                          "pipeline chunk needs the same number of layers",
+                          {"n_layers": layers, "pp": cfg.pp, "virtual_pp": cfg.virtual_pp},
+                          working("pp", pp_works)
+                          + [{"n_layers": next_multiple(layers, chunks)}])
     if model.vocab_size % cfg.tp:
-        raise ValueError(f"vocab_size={model.vocab_size} is not divisible by tp={cfg.tp}: pad it to "
-                         f"{pad_vocab_size(model.vocab_size, cfg.tp)} with "
-                         "minitron.grid.pad_vocab_size (the extra rows are never a target)")
+        raise ConfigError("{vocab_size} is not divisible by {tp}: pad it (the extra rows are never "
+                          "a target)", {"vocab_size": model.vocab_size, "tp": cfg.tp},
+                          [{"vocab_size": pad_vocab_size(model.vocab_size, cfg.tp)}],
+                          note="minitron.grid.pad_vocab_size")
     experts = getattr(model, "n_experts", 0) or 0
     if experts and experts % cfg.ep:
-        raise ValueError(f"n_experts={experts} is not divisible by ep={cfg.ep}: every expert-"
-                         "parallel rank must own the same number of experts")
+        raise ConfigError("{n_experts} is not divisible by {ep}: every expert-parallel rank must "
+                          "own the same number of experts", {"n_experts": experts, "ep": cfg.ep},
+                          working("ep", divisors(experts))
+                          + [{"n_experts": next_multiple(experts, cfg.ep)}])
     s = seq_len if seq_len is not None else model.seq_len
     if cfg.sequence_parallel and s % (cfg.tp * cfg.cp):
-        raise ValueError(f"sequence length {s} is not divisible by tp*cp={cfg.tp * cfg.cp} needed by "
-                         f"sequence parallelism: use a length that is a multiple of {cfg.tp * cfg.cp}")
+        raise ConfigError("{seq_len} is not divisible by {tp} * {cp}: sequence parallelism splits "
+                          "every sequence over tp * cp ranks", {"seq_len": s, "tp": cfg.tp, "cp": cfg.cp},
+                          [{"seq_len": next_multiple(s, cfg.tp * cfg.cp)}])
     if cfg.cp > 1 and s % (2 * cfg.cp):
-        raise ValueError(f"sequence length {s} is not divisible by 2*cp={2 * cfg.cp}: context "
-                         "parallelism cuts each sequence into 2*cp chunks to balance causal work")
+        cp_works = [c for c in range(1, cfg.cp * 2 + 1) if c == 1 or s % (2 * c) == 0]
+        raise ConfigError("{seq_len} is not divisible by 2 * {cp}: context "
+                          "parallelism cuts each sequence into 2*cp chunks to balance causal work",
+                          {"seq_len": s, "cp": cfg.cp},
+                          working("cp", cp_works)
+                          + [{"seq_len": next_multiple(s, 2 * cfg.cp)}])
     if cfg.cp > 1 and getattr(model, "recompute", "none") == "selective":
-        raise ValueError("selective recomputation of context-parallel attention is not built: "
-                         "use recompute='full' or 'none' with cp > 1")
+        raise ConfigError("selective recomputation of context-parallel attention is not built: "
+                          "{recompute} with {cp}", {"recompute": "selective", "cp": cfg.cp},
+                          [{"recompute": "full"}, {"recompute": "none"}, {"cp": 1}])
     if cfg.cp > 1 and cfg.cp_variant == "ulysses" and ((heads // cfg.tp) % cfg.cp
                                                        or (kv // cfg.tp) % cfg.cp):
-        raise ValueError(f"cp_variant='ulysses' gives each of the cp={cfg.cp} ranks whole heads, but "
-                         f"a tensor-parallel rank has {heads // cfg.tp} query and {kv // cfg.tp} "
-                         "key/value heads: use cp dividing both, or cp_variant='ring' or 'allgather'")
+        per_rank = math.gcd(heads // cfg.tp, kv // cfg.tp)
+        raise ConfigError(f"{{cp_variant}} gives each of the {{cp}} ranks whole heads, but a "
+                          f"tensor-parallel rank has {heads // cfg.tp} query and {kv // cfg.tp} "
+                          "key/value heads", {"cp_variant": "ulysses", "cp": cfg.cp},
+                          working("cp", divisors(per_rank))
+                          + [{"cp_variant": "ring"}, {"cp_variant": "allgather"}])
 
 
 class Grid:

@@ -109,4 +109,4 @@ def test_selective_recompute_with_cp_is_refused_before_any_rank_starts(capsys, m
         validate_model(ParallelConfig(cp=2), ModelConfig(**BASE, recompute="selective"))
     monkeypatch.setattr(verify.run, "launch", lambda *a, **k: pytest.fail("a rank was started"))
     assert verify_cli.main(["--tp", "1", "--cp", "2", "--pp", "2", "--recompute", "selective"]) == 2
-    assert "use recompute='full' or 'none' with cp > 1" in capsys.readouterr().err
+    assert "use --recompute full or --recompute none or --cp 1" in capsys.readouterr().err

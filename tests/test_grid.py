@@ -94,21 +94,21 @@ def test_world_size_mismatch():
 
 @pytest.mark.parametrize("model, cfg, words", [
     (dataclasses.replace(MODEL, n_heads=6, hidden=48), ParallelConfig(tp=4),
-     ["n_heads=6", "tp=4", "choose tp dividing 6"]),
+     ["n_heads=6", "tp=4", "use tp=2"]),
     (dataclasses.replace(MODEL, n_heads=4, n_kv_heads=1), ParallelConfig(tp=2),
-     ["n_kv_heads=1", "tp=2", "tp dividing 1"]),
+     ["n_kv_heads=1", "tp=2", "use tp=1"]),
     (MODEL, ParallelConfig(pp=3),
-     ["n_layers=4", "pp*virtual_pp=3*1", "same number of layers"]),
+     ["n_layers=4", "pp=3 * virtual_pp=1", "same number of layers", "use pp=2 or pp=4 or n_layers=6"]),
     (MODEL, ParallelConfig(pp=2, virtual_pp=4),
-     ["n_layers=4", "pp*virtual_pp=2*4"]),
+     ["n_layers=4", "pp=2 * virtual_pp=4", "use pp=1 or n_layers=8"]),
     (dataclasses.replace(MODEL, seq_len=18), ParallelConfig(tp=4, sequence_parallel=True),
-     ["sequence length 18", "tp*cp=4", "multiple of 4"]),
+     ["seq_len=18", "tp=4 * cp=1", "use seq_len=20"]),
     (dataclasses.replace(MODEL, seq_len=18), ParallelConfig(cp=2),
-     ["sequence length 18", "2*cp=4", "2*cp chunks"]),
+     ["seq_len=18", "2 * cp=2", "2*cp chunks", "use cp=1 or cp=3 or seq_len=20"]),
     (dataclasses.replace(MODEL, vocab_size=65), ParallelConfig(tp=2),
-     ["vocab_size=65", "tp=2", "pad it to 66", "pad_vocab_size"]),
+     ["vocab_size=65", "tp=2", "use vocab_size=66", "pad_vocab_size"]),
     (types.SimpleNamespace(**{**dataclasses.asdict(MODEL), "n_experts": 6}), ParallelConfig(ep=4),
-     ["n_experts=6", "ep=4", "same number of experts"]),
+     ["n_experts=6", "ep=4", "same number of experts", "use ep=3 or ep=6 or n_experts=8"]),
 ], ids=["heads", "kv_heads", "layers_pp", "layers_virtual", "seq_sp", "seq_cp", "vocab", "experts"])
 def test_validate_model_errors(model, cfg, words):
     with pytest.raises(ValueError) as info:
@@ -125,13 +125,13 @@ def test_validate_model_accepts_good_split():
 
 
 def test_sequence_parallel_needs_tp():
-    with pytest.raises(ValueError, match="needs tp > 1.*set tp >= 2"):
+    with pytest.raises(ValueError, match="needs tp > 1.*use tp=2 or sequence_parallel=False"):
         ParallelConfig(tp=1, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("field, value", [("tp", 0), ("dp", -1), ("pp", 1.5), ("virtual_pp", 0)])
 def test_sizes_must_be_positive_integers(field, value):
-    with pytest.raises(ValueError, match=f"ParallelConfig.{field} must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"{field}={value!r} must be a positive integer \(ParallelConfig.{field}\); use {field}=1"):
         ParallelConfig(**{field: value})
 
 

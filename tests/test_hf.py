@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from minitron.train import hf
+from minitron.train.cli import hf
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model.config import ModelConfig
 from minitron.model.reference import GPT
@@ -104,3 +104,26 @@ def pipeline_round_trip_rank(family, cfg):
 @pytest.mark.parametrize("family, cfg", [("gpt2", GPT2), ("llama", LLAMA)])
 def test_pipeline_stages_export_back_exactly(run_ranks, family, cfg):
     assert all(run_ranks(pipeline_round_trip_rank, family, cfg, world_size=2))
+
+
+@needs_transformers
+def test_gpt2_dropout_is_kept_and_exported_models_are_in_eval_mode():
+    """GPT-2's dropout (0.1 in the released models) comes into ModelConfig.dropout, and an
+    exported model is in eval mode: in training mode its logits would differ from the original's
+    on every call (by ~0.45 at 0.1) with identical weights."""
+    import dataclasses
+    cfg = dataclasses.replace(GPT2, dropout=0.1)
+    model = make_hf("gpt2", cfg)
+    assert hf.config_from_hf(model.config) == cfg
+    ids = tokens(cfg)
+    exported = hf.export_model(hf.import_model(model), model.config)
+    assert not exported.training
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, model(ids).logits)
+        assert not torch.equal(exported.train()(ids).logits, model(ids).logits)   # test of the test
+    uneven = hf.hf_config(cfg, "gpt2")
+    uneven.attn_pdrop = 0.0
+    with pytest.raises(ValueError, match="one dropout probability"):
+        hf.config_from_hf(uneven)
+    with pytest.raises(ValueError, match="export with dropout=0"):
+        hf.hf_config(dataclasses.replace(LLAMA, dropout=0.1), "llama")

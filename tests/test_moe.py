@@ -192,7 +192,7 @@ def test_configuration_errors_say_what_to_change():
         ModelConfig(n_experts=4, topk=5)
     with pytest.raises(ValueError, match="capacity_factor"):
         ModelConfig(n_experts=4, capacity_factor=0.0)
-    with pytest.raises(ValueError, match="recompute='selective' or 'none'"):
+    with pytest.raises(ValueError, match="use recompute='selective' or recompute='none'"):
         ModelConfig(n_experts=4, recompute="full")
     with pytest.raises(ValueError, match="router never learns"):
         ModelConfig(n_experts=4, topk=1, aux_loss_coeff=0.0)

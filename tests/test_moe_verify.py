@@ -51,9 +51,9 @@ def test_planted_dispatch_bug_fails(run_ranks, plant):
     (["--ep", "2", "--tp", "2", "--experts", "4"], "need sequence parallelism"),
     (["--ep", "2", "--experts", "4", "--batch", "3"], "use a multiple of 2"),
     (["--ep", "2", "--experts", "4", "--pp", "2"], "without a pipeline"),
-    (["--ep", "2", "--experts", "3"], "not divisible by ep=2"),
+    (["--ep", "2", "--experts", "3"], "--experts 3 is not divisible by --ep 2"),
     (["--experts", "4", "--topk", "5"], "1 <= topk <= 4"),
-    (["--ep", "2", "--experts", "4", "--dtype", "bfloat16"], "run experts in float32"),
+    (["--ep", "2", "--experts", "4", "--dtype", "bfloat16"], "; use --dtype float32"),
 ])
 def test_bad_expert_options_exit_2(capsys, argv, message):
     assert verify_cli.main(argv) == 2

@@ -39,7 +39,7 @@ def test_a_short_run_and_its_resume(tmp_path, capfd):
     (["--corpus", "/nonexistent/x.txt"], "does not exist"),
     (["--out", "/proc/minitron-cannot-write"], "cannot write"),
     (["--resume", "/nonexistent/ckpt"], "no such checkpoint"),
-    (["--cp", "2", "--dtype", "bfloat16"], "context parallelism runs in float32"),
+    (["--ep", "2", "--experts", "4", "--dtype", "bfloat16"], "use --dtype float32"),
     (["--micro-batch", "3"], "--micro-batch 3"),
     (["--schedule", "1f1b"], "needs a pipeline"),
     (["--pp", "2", "--schedule", "nope"], "unknown schedule"),

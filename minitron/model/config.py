@@ -1,11 +1,86 @@
-"""The shape of a GPT, shared by the single-device reference and every parallel version."""
+"""The shape of a GPT, shared by the single-device reference and every parallel version.
+
+Every refusal here and in minitron.grid is a ConfigError: it names the settings (fields) that
+clash and settings that would work, as `field=value` from Python and as `--flag value` from a
+command line (ConfigError.as_flags, with the command's own flag names).
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"),
            "position": ("learned", "rope"), "dropout_rng": ("exact", "per_rank"),
            "recompute": ("none", "selective", "full")}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, and settings that would.
+
+    `template` names settings as {field}; `values` holds their values; each of `fixes` is one
+    alternative that works ({field: value, ...}). str(e) reads `field=value` (the Python API,
+    `note` appended); as_flags(flags) reads `--flag value` for a command line, flags mapping a
+    field to its flag (a True/False field is a switch: `--sp`, `drop --sp`)."""
+
+    def __init__(self, template: str, values: dict, fixes=(), note: str = ""):
+        self.template, self.values, self.note = template, dict(values), note
+        self.fixes = [dict(f) for f in fixes]
+        super().__init__(self._render(None))
+
+    def __reduce__(self):                 # picklable (a rank may send one back), args intact
+        return type(self), (self.template, self.values, self.fixes, self.note)
+
+    def as_flags(self, flags: dict[str, str]) -> str:
+        return self._render(flags)
+
+    def _render(self, flags: dict[str, str] | None) -> str:
+        def name(field, value, fix=False):
+            flag = None if flags is None else flags.get(field)
+            if flag is None:
+                return f"{field}={value!r}"
+            if value is True:
+                return flag
+            if value is False or value is None:
+                return f"drop {flag}" if fix else f"no {flag}"
+            return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+
+        text = self.template.format(**{f: name(f, v) for f, v in self.values.items()})
+        if self.note and flags is None:
+            text += f" ({self.note})"
+        if self.fixes:
+            text += "; use " + " or ".join(" ".join(name(f, v, fix=True) for f, v in fix.items())
+                                           for fix in self.fixes)
+        return text
+
+
+def near(candidates, want) -> list:
+    """The largest of `candidates` below `want` and the smallest above it (an error's fixes)."""
+    below = [c for c in candidates if c < want]
+    above = [c for c in candidates if c > want]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def next_multiple(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def check_adamw(lr: float, eps: float | None = None, *, lr_works: float = 1e-4,
+                eps_works: float = 1e-8) -> None:
+    """Refuse an AdamW learning rate or eps that is not a finite number > 0 (ConfigError).
+
+    lr < 0 climbs the loss, nan/inf poison every weight at the first step, eps = 0 divides
+    by zero where a gradient entry is 0: no comparison or training run means anything then."""
+    for field, value, works in (("lr", lr, lr_works), ("eps", eps, eps_works)):
+        if value is None and field == "eps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ConfigError("{%s} must be a finite number > 0" % field, {field: value},
+                              [{field: works}])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,48 +133,68 @@ class ModelConfig:
             value = getattr(self, field)
             optional = field in ("n_kv_heads", "ffn_hidden")   # None: the default described above
             if not (optional and value is None) and (type(value) is not int or value < 1):
-                raise ValueError(f"ModelConfig.{field} must be a positive integer"
-                                 f"{' or None' if optional else ''}, got {value!r}")
+                raise ConfigError("{%s} must be a positive integer%s"
+                                  % (field, " or None" if optional else ""),
+                                  {field: value}, [{field: _default(field)}], note=f"ModelConfig.{field}")
         for field, allowed in CHOICES.items():
             if getattr(self, field) not in allowed:
-                raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: choose one of {allowed}")
+                raise ConfigError("{%s}: choose one of %s" % (field, allowed),
+                                  {field: getattr(self, field)}, [{field: allowed[0]}])
         if self.hidden % self.n_heads:
-            raise ValueError(f"hidden={self.hidden} is not divisible by n_heads={self.n_heads}")
+            raise ConfigError("{hidden} is not divisible by {n_heads}: every head has hidden/n_heads "
+                              "features", {"hidden": self.hidden, "n_heads": self.n_heads},
+                              [{"n_heads": a} for a in near([a for a in divisors(self.hidden) if a % (self.n_kv_heads or 1) == 0],
+                                                             self.n_heads)])
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}")
+            raise ConfigError("{n_heads} is not a multiple of {n_kv_heads}: query heads share "
+                              "key/value heads in equal groups",
+                              {"n_heads": self.n_heads, "n_kv_heads": self.kv_heads},
+                              [{"n_kv_heads": k} for k in near(divisors(self.n_heads), self.kv_heads)])
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+            even = [a for a in divisors(self.hidden) if (self.hidden // a) % 2 == 0]
+            raise ConfigError("rotary positions need an even head_dim, but {hidden} / {n_heads} = "
+                              f"{self.head_dim}", {"hidden": self.hidden, "n_heads": self.n_heads},
+                              [{"n_heads": a} for a in near(even, self.n_heads)] or [{"position": "learned"}])
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError("{dropout} must be in [0, 1)", {"dropout": self.dropout}, [{"dropout": 0.1}])
         self._validate_moe()
 
     def _validate_moe(self) -> None:
         if type(self.n_experts) is not int or self.n_experts < 0:
-            raise ValueError(f"ModelConfig.n_experts must be an integer >= 0 (0: dense MLPs), "
-                             f"got {self.n_experts!r}")
+            raise ConfigError("{n_experts} must be an integer >= 0 (0: dense MLPs)",
+                              {"n_experts": self.n_experts}, [{"n_experts": 0}], note="ModelConfig.n_experts")
         if not self.n_experts:
             return
         if type(self.topk) is not int or not 1 <= self.topk <= self.n_experts:
-            raise ValueError(f"ModelConfig.topk={self.topk!r}: each token picks topk experts of "
-                             f"n_experts={self.n_experts}; choose 1 <= topk <= {self.n_experts}")
+            raise ConfigError("{topk}: each token picks topk of the {n_experts} experts, "
+                              f"1 <= topk <= {self.n_experts}",
+                              {"topk": self.topk, "n_experts": self.n_experts},
+                              [{"topk": min(2, self.n_experts)}])
         if type(self.moe_every) is not int or not 1 <= self.moe_every <= self.n_layers:
-            raise ValueError(f"ModelConfig.moe_every={self.moe_every!r}: choose 1 (every layer) "
-                             f"to n_layers={self.n_layers} (layer 0 only)")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor!r}: use a "
-                             "positive number, or None for dropless routing")
+            raise ConfigError("{moe_every}: choose 1 (every layer) to {n_layers} (layer 0 only)",
+                              {"moe_every": self.moe_every, "n_layers": self.n_layers}, [{"moe_every": 1}])
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                               or not (0 < cf < math.inf)):
+            raise ConfigError("{capacity_factor}: use a finite number > 0 (tokens per expert = "
+                              "ceil(factor * seq * topk / n_experts)), or leave it unset for dropless routing",
+                              {"capacity_factor": cf}, [{"capacity_factor": 1.0}, {"capacity_factor": None}])
         for field in ("aux_loss_coeff", "z_loss_coeff"):
-            if not getattr(self, field) >= 0:
-                raise ValueError(f"ModelConfig.{field} must be >= 0, got {getattr(self, field)!r}")
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ConfigError("{%s} must be a finite number >= 0" % field, {field: value},
+                                  [{field: _default(field)}])
         if self.recompute == "full":
-            raise ValueError("recompute='full' reruns each block under a checkpoint whose first "
-                             "forward keeps no graph, so the routers' auxiliary losses would get "
-                             "no gradient: use recompute='selective' or 'none' with experts")
+            raise ConfigError("{recompute} reruns each block under a checkpoint whose first "
+                              "forward keeps no graph, so the routers' auxiliary losses would get "
+                              "no gradient", {"recompute": "full"},
+                              [{"recompute": "selective"}, {"recompute": "none"}], note="with experts")
         if self.topk == 1 and not self.router_pre_softmax and self.aux_loss_coeff == 0 \
                 and self.z_loss_coeff == 0:
-            raise ValueError("topk=1 with router_pre_softmax=False gives every token the gate "
-                             "softmax([x]) = 1, so the router never learns: set "
-                             "router_pre_softmax=True, or an aux/z loss coefficient")
+            raise ConfigError("{topk} with {router_pre_softmax} gives every token the gate "
+                              "softmax([x]) = 1, so the router never learns",
+                              {"topk": 1, "router_pre_softmax": False},
+                              [{"router_pre_softmax": True}, {"aux_loss_coeff": 0.01}])
 
     def is_moe_layer(self, i: int) -> bool:
         """Does layer i hold a mixture of experts (Megatron's moe_layer_freq pattern)?"""
@@ -116,3 +211,7 @@ class ModelConfig:
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.hidden
+
+
+def _default(field: str):
+    return next(f.default for f in dataclasses.fields(ModelConfig) if f.name == field)

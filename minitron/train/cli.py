@@ -27,7 +27,7 @@ from . import checkpoint, data
 from ..estimate import flops
 from ..grid import CP_VARIANTS, ParallelConfig
 from ..runtime.launch import RankError, launch
-from ..model.config import CHOICES, ModelConfig
+from ..model.config import CHOICES, ConfigError, ModelConfig
 from ..model.fused import enable_kernels
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
@@ -97,6 +97,14 @@ def parser() -> argparse.ArgumentParser:
     r("--peak-tflops", type=float, default=None, help="per-device peak for MFU (GPUs: detected)")
     return p
 
+
+# ConfigError's fields -> this command's flags, so a refusal names what to type
+FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "virtual_pp": "--virtual",
+         "sequence_parallel": "--sp", "cp_variant": "--cp-variant", "seq_len": "--seq",
+         "hidden": "--hidden", "n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
+         "norm": "--norm", "activation": "--activation", "position": "--position",
+         "dropout": "--dropout", "recompute": "--recompute", "n_experts": "--experts", "topk": "--topk",
+         "capacity_factor": "--capacity-factor", "lr": "--lr", "eps": "--eps", "dtype": "--dtype"}
 
 _MODEL_FLAGS = {"kv_heads": "n_kv_heads", "norm": "norm", "activation": "activation",
                 "position": "position", "dropout": "dropout", "recompute": "recompute"}
@@ -239,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         mcfg, pcfg = configure(args)
         data.prepare(args.corpus, os.path.join(args.out, "corpus.bin"))
     except ValueError as e:
-        print(f"minitron.train: error: {e}", file=sys.stderr)
+        print(f"minitron.train: error: {e.as_flags(FLAGS) if isinstance(e, ConfigError) else e}",
+              file=sys.stderr)
         return 2
     try:
         results = launch(worker, args, mcfg, pcfg, os.dup(sys.stderr.fileno()), world_size=pcfg.world_size)

@@ -31,7 +31,7 @@ from ..data_parallel import DEFAULT_BUCKET_NUMEL, gathered_grads, gathered_param
 from ..data_parallel.optim import FusedAdamW
 from ..data_parallel.precision import LossScaler, optimizer_step
 from ..grid import ParallelConfig, build_grid
-from ..model.config import ModelConfig
+from ..model.config import ConfigError, ModelConfig
 from ..model.convert import grads_state_dict
 from ..moe.layer import check_moe_grid
 from ..moe.router import imbalance
@@ -62,6 +62,22 @@ def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> b
     return pcfg.dp > 1 or pcfg.ep > 1 or zero is not None or dtype in SIXTEEN_BIT
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:
+    """Why a run of this grid and model cannot be in `dtype` (and be compared with one device),
+    or None. One rule, so that every refusal names the same dtypes that work."""
+    if mcfg.n_experts and dtype in SIXTEEN_BIT:
+        return ("a 16-bit router's top-k choice flips on the rounding differences between the two "
+                "sides (a discontinuity no tolerance covers)")
+    if dtype == torch.float64 and uses_engine(pcfg, zero, dtype):
+        return ("the data-parallel engine (dp > 1, ep > 1 or a ZeRO stage) steps float32 master "
+                "weights (ZeroOptimizer)")
+    return None
+
+
 def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
                     zero: int | None, schedule) -> None:
     """Refuse, before any rank starts, what the engine does not run (ValueError, with the fix)."""
@@ -69,16 +85,16 @@ def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     check_moe_grid(pcfg, mcfg)
     if mcfg.n_experts and (schedule is not None or zero == 3):
-        raise ValueError("experts run without a pipeline and without ZeRO-3 so far: use pp=1 "
-                         "(--pp 1) and ZeRO stage 0, 1 or 2 with experts")
-    if mcfg.n_experts and dtype in SIXTEEN_BIT:
-        raise ValueError("a 16-bit router's top-k choice flips on rounding differences (a "
-                         "discontinuity no comparison tolerates): run experts in float32")
+        raise ValueError("experts run without a pipeline and without ZeRO-3 so far: use --pp 1 "
+                         "and --zero 0, 1 or 2 with --experts")
+    why = dtype_refusal(pcfg, mcfg, dtype, zero)
+    if why:
+        works = [name for name, d in DTYPES.items() if not dtype_refusal(pcfg, mcfg, d, zero)]
+        raise ConfigError("{dtype}: %s" % why, {"dtype": str(dtype).removeprefix("torch.")},
+                          [{"dtype": name} for name in works])
     if not uses_engine(pcfg, zero, dtype):
         return
     refusals = [
-        (dtype == torch.float64, "data parallelism and ZeRO step float32 master weights "
-                                 "(ZeroOptimizer): use float32, bfloat16 or float16"),
         (zero == 3 and mcfg.tie_embeddings, "ZeRO-3 gathers the embedding for its own forward "
                                             "only, a tied output layer reuses it later: untie "
                                             "the embeddings (drop --tie) or use ZeRO 0-2"),

@@ -47,11 +47,21 @@ def config_from_hf(hf_config) -> ModelConfig:
             raise ValueError(f"GPT-2 activation_function={c.activation_function!r}: minitron's GELU "
                              "is the exact one; use a GPT2Config(activation_function='gelu') model, "
                              "or accept that logits will differ by the tanh approximation")
+        drops = {name: float(getattr(c, name)) for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop")}
+        if len(set(drops.values())) > 1:
+            raise ValueError(f"GPT-2 dropout {drops}: minitron has one dropout probability for the "
+                             "embedding, the attention probabilities and the residuals; set all "
+                             "three equal")
         return ModelConfig(vocab_size=c.vocab_size, seq_len=c.n_positions, hidden=c.n_embd,
                            n_layers=c.n_layer, n_heads=c.n_head,
                            ffn_hidden=None if c.n_inner in (None, 4 * c.n_embd) else c.n_inner,
                            norm="layernorm", activation="gelu", position="learned",
-                           tie_embeddings=True, bias=True, norm_eps=c.layer_norm_epsilon)
+                           dropout=drops["resid_pdrop"], tie_embeddings=True, bias=True,
+                           norm_eps=c.layer_norm_epsilon)
+    if getattr(c, "attention_dropout", 0.0):
+        raise ValueError(f"Llama attention_dropout={c.attention_dropout}: minitron's dropout also "
+                         "drops the embedding and the residuals, which Llama never does; import "
+                         "with attention_dropout=0.0")
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise ValueError("Llama with attention_bias/mlp_bias: minitron's bias flag covers every "
                          "linear layer at once; import a model without biases")
@@ -174,7 +184,10 @@ def import_model(hf_model, grid=None, placement=None, seed: int = 0):
 
 def export_model(model, hf_model_or_config, engine=None):
     """A transformers model holding minitron `model`'s weights (a GPT, or a ParallelGPT /
-    PipelineGPT rank: then collective, gathered across tp and pp; ZeRO-3: pass its engine)."""
+    PipelineGPT rank: then collective, gathered across tp and pp; ZeRO-3: pass its engine).
+
+    Returned in eval mode, as from_pretrained returns one: with dropout > 0 a model in training
+    mode would give other logits than its twin on every call (call .train() to train it)."""
     cfg = model.cfg
     if hasattr(model, "grid"):
         from .checkpoint import local_weights
@@ -188,7 +201,7 @@ def export_model(model, hf_model_or_config, engine=None):
     sd = export_state_dict(ref_sd, cfg, family_of(hf_config))
     hf.load_state_dict(sd, strict=False)
     _check_all_loaded(hf, sd)
-    return hf
+    return hf.eval()
 
 
 def _check_all_loaded(hf, sd: dict) -> None:
@@ -213,9 +226,12 @@ def hf_config(cfg: ModelConfig, family: str):
         return transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len,
                                        n_embd=cfg.hidden, n_layer=cfg.n_layers, n_head=cfg.n_heads,
                                        n_inner=cfg.ffn_hidden, activation_function="gelu",
-                                       layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
-                                       eos_token_id=None)
+                                       layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout,
+                                       embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+                                       bos_token_id=None, eos_token_id=None)
+    if cfg.dropout:
+        raise ValueError(f"dropout={cfg.dropout}: Llama drops only attention probabilities, minitron "
+                         "also the embedding and the residuals; export with dropout=0")
     return transformers.LlamaConfig(vocab_size=cfg.vocab_size, max_position_embeddings=cfg.seq_len,
                                     hidden_size=cfg.hidden, num_hidden_layers=cfg.n_layers,
                                     num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,

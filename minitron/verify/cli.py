@@ -8,11 +8,12 @@ import sys
 import torch
 
 from ..grid import CP_VARIANTS, ParallelConfig, validate_model
-from ..model.config import CHOICES, ModelConfig
+from ..model.config import CHOICES, ConfigError, ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
+from ..train.cli import UsageError, _Parser
 from ..train.engine import check_supported, resolve_schedule, uses_engine
 from .run import check_kernels_dtype, split_batch, verify
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
@@ -53,9 +54,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Defaults shown, and the examples kept line by line."""
 
 
+# ConfigError's fields -> this command's flags, so a refusal names what to type
+FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "virtual_pp": "--virtual",
+         "sequence_parallel": "--sp", "cp_variant": "--cp-variant", "vocab_size": "--vocab",
+         "seq_len": "--seq", "hidden": "--hidden", "n_layers": "--layers", "n_heads": "--heads",
+         "n_kv_heads": "--kv-heads", "norm": "--norm", "activation": "--activation",
+         "position": "--position", "dropout": "--dropout", "recompute": "--recompute",
+         "n_experts": "--experts", "topk": "--topk", "moe_every": "--moe-every",
+         "capacity_factor": "--capacity-factor", "router_pre_softmax": "--pre-softmax",
+         "aux_loss_coeff": "--aux-loss", "z_loss_coeff": "--z-loss", "lr": "--lr", "eps": "--eps",
+         "dtype": "--dtype"}
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minitron.verify", description=VERIFY_DOC.split("\n")[0],
-                                epilog=EXAMPLES, formatter_class=_HelpFormatter)
+    p = _Parser(prog="python -m minitron.verify", description=VERIFY_DOC.split("\n")[0],
+                epilog=EXAMPLES, formatter_class=_HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default 2; 1 with --ep > 1)")
@@ -123,8 +136,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
+    except UsageError as e:              # argparse's one line, without its usage block
+        print(f"error: {e}; see python -m minitron.verify --help", file=sys.stderr)
+        return 2
+    try:
+        check_adamw(args.lr, args.eps)
         tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
         pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
@@ -150,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             check_kernels_dtype(dtype)
             kernels = enable_kernels(mcfg, pcfg.world_size)   # before anything imports triton
     except (ValueError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.as_flags(FLAGS) if isinstance(e, ConfigError) else e}", file=sys.stderr)
         return 2
     pipeline = "" if sched is None else (f"\nschedule={sched.name} microbatches={sched.microbatches} "
                                          f"virtual={sched.virtual} stage_rank={sched.stage_rank}")

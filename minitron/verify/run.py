@@ -7,7 +7,7 @@ import os
 import torch
 
 from ..grid import ParallelConfig, validate_model
-from ..model.config import ModelConfig
+from ..model.config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..runtime.launch import DEFAULT_TIMEOUT, launch
 from ..train.engine import check_supported, resolve_schedule
@@ -30,6 +30,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
     (see enable_kernels).
     """
+    check_adamw(lr, eps)
     sched = resolve_schedule(parallel_config, schedule, microbatches)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)

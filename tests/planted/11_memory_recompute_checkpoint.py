@@ -1,7 +1,7 @@
 """Planted wrong answer for exercises/11_memory_recompute_checkpoint.ipynb: under sequence
 parallelism the QKV and fc1 inputs are divided by t as well (Megatron's re-gather accounting,
 not what minitron keeps: it saves the all-gathered inputs whole). Without SP every count is
-right; Check 1's SP configurations catch it."""
+right; Check 1 catches it on the layers measured with SP (t=2 and t=4)."""
 
 WRONG = {
     "e110003": '''def layer_activation_bytes(b, s, h, a, t=1, sp=False, recompute="none"):
