@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from minitron.train.cli import hf
+from minitron.train import hf
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model.config import ModelConfig
 from minitron.model.reference import GPT
