@@ -84,7 +84,7 @@ import torch
 
 from .grid import CP_VARIANTS, ParallelConfig, validate_model
 from .launch import DEFAULT_TIMEOUT, _pick_backend, launch
-from .model.config import CHOICES, ModelConfig
+from .model.config import CHOICES, ModelConfig, check_number
 from .model.fused import check_kernels
 from .pipeline.schedules import SCHEDULES, make_schedule
 from .verify_checks import Report, Row
@@ -302,6 +302,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        check_number("--lr", args.lr, "the learning rate", "1e-4")
+        check_number("--eps", args.eps, "AdamW's eps", "1e-6")
+        if args.capacity_factor is not None:
+            check_number("--capacity-factor", args.capacity_factor, "the capacity factor", 1.0)
         tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
         pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,

@@ -2,10 +2,25 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"),
            "position": ("learned", "rope"), "dropout_rng": ("exact", "per_rank"),
            "recompute": ("none", "selective", "full")}
+
+
+def check_number(flag: str, value, what: str, example, *, minimum: float = 0.0,
+                 allow_minimum: bool = False, integer: bool = False) -> None:
+    """ValueError unless `value` is a finite number above `minimum` (or equal, with
+    allow_minimum): the one rule for a hyperparameter flag, shared by the CLIs. The message
+    names the flag and a value that works: `--lr nan: the learning rate must be a finite
+    number > 0, e.g. --lr 3e-4`. NaN fails every comparison, so `value < 0` alone lets it in."""
+    kind = "an integer" if integer else "a finite number"
+    bound = f"{'>=' if allow_minimum else '>'} {minimum:g}"
+    ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) \
+        and math.isfinite(value) and (value >= minimum if allow_minimum else value > minimum)
+    if not ok:
+        raise ValueError(f"{flag} {value}: {what} must be {kind} {bound}, e.g. {flag} {example}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +100,12 @@ class ModelConfig:
         if type(self.moe_every) is not int or not 1 <= self.moe_every <= self.n_layers:
             raise ValueError(f"ModelConfig.moe_every={self.moe_every!r}: choose 1 (every layer) "
                              f"to n_layers={self.n_layers} (layer 0 only)")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
             raise ValueError(f"ModelConfig.capacity_factor={self.capacity_factor!r}: use a "
-                             "positive number, or None for dropless routing")
+                             "finite positive number, or None for dropless routing")
         for field in ("aux_loss_coeff", "z_loss_coeff"):
-            if not getattr(self, field) >= 0:
-                raise ValueError(f"ModelConfig.{field} must be >= 0, got {getattr(self, field)!r}")
+            if not 0 <= getattr(self, field) < math.inf:
+                raise ValueError(f"ModelConfig.{field} must be finite and >= 0, got {getattr(self, field)!r}")
         if self.recompute == "full":
             raise ValueError("recompute='full' reruns each block under a checkpoint whose first "
                              "forward keeps no graph, so the routers' auxiliary losses would get "
