@@ -9,17 +9,21 @@ the optimizer is ZeroOptimizer, clipping precision.optimizer_step. A pipeline ru
 schedule on this replica's rows under no_sync (its micro-batches' gradients add up locally)
 and the engine's finish_grad_sync reduces them once. Covered: tp (+sp), pp (+virtual), dp with
 ZeRO 0-3. Not yet: cp and ep (the loss and the rows would need their own split), MoE models.
+A non-finite loss stops the run (FloatingPointError on every rank) before the update. There
+is no loss scaler here yet: when 16-bit training brings one, a step whose gradients overflow
+is the scaler's to skip; the loss itself (the forward) is what it cannot repair.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from . import comm
 from .data_parallel import DataParallel, ZeroOptimizer, ZeroStage3, forward_backward, local_rows
 from .grid import ParallelConfig, build_grid
-from .model.config import ModelConfig
+from .model.config import ModelConfig, check_number
 from .pipeline.executor import run_schedule
 from .pipeline.partition import PipelineGPT
 from .pipeline.schedules import make_schedule
@@ -55,6 +59,10 @@ class TrainingRun:
                  weight_decay: float = 0.0, max_norm: float | None = 1.0, seed: int = 0,
                  dtype: torch.dtype = torch.float32):
         check_supported(pcfg, mcfg, zero_stage)
+        check_number("lr", lr, "the learning rate", 1e-3)
+        check_number("weight_decay", weight_decay, "the weight decay", 0.0, allow_minimum=True)
+        if max_norm is not None:
+            check_number("max_norm", max_norm, "the clipping norm (None: no clipping)", 1.0)
         self.grid = grid = build_grid(pcfg)
         self.microbatches, self.max_norm = microbatches, max_norm
         self.schedule = None
@@ -88,8 +96,13 @@ class TrainingRun:
             loss = loss if model.holds_last else torch.zeros((), device=grid.device)
             loss = comm.all_reduce(loss.float().clone().reshape(1), grid.pp)[0]  # from the last stage
         engine.finish_grad_sync()
+        value = self.global_loss(loss)     # before the update: a diverged step changes nothing
+        if not math.isfinite(value):
+            raise FloatingPointError(f"step {step + 1}: the loss is {value}: the run diverged "
+                                     "(the weights are left as they were before it); lower the "
+                                     "learning rate, or resume from an earlier checkpoint")
         optimizer_step(self.optimizer, engine, grid, None, max_norm=self.max_norm)
-        return self.global_loss(loss)
+        return value
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The mean over the data-parallel replicas (each holds the mean of its rows)."""
