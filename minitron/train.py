@@ -8,15 +8,21 @@
 It shows a progress line (loss, tokens/s, MFU where the device's peak is known or given),
 evaluates on held-out text (the corpus's last 10%), saves checkpoints (minitron.checkpoint:
 loadable on any other grid), writes metrics.jsonl and loss.png to --out, and prints a sample
-of generated text. A bad option, an impossible grid, a missing corpus or checkpoint, a
-directory it cannot write: one line on stderr and exit code 2 (1 if a rank fails mid-run).
+of generated text. A bad option, an impossible grid, a missing or too short corpus, a bad
+checkpoint, a directory it cannot write or that already holds a run (continue it with
+--resume, replace it with --overwrite): one line on stderr and exit code 2. A rank that
+fails mid-run, or a loss that turns NaN or infinite (the run stops before that step's update,
+and saves nothing more): exit code 1. A resumed run's metrics.jsonl keeps the rows up to its
+checkpoint's step, then continues.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -24,8 +30,8 @@ import torch
 
 from . import checkpoint, data, flops
 from .grid import ParallelConfig
-from .launch import RankError, launch
-from .model.config import ModelConfig
+from .launch import RankError, end_of_run, launch, under_torchrun
+from .model.config import ModelConfig, check_number
 from .model.convert import gather_state_dict
 from .model.reference import GPT
 from .pipeline.partition import check_placement
@@ -64,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     a("--eval-every", type=int, default=50)
     a("--save-every", type=int, default=100, help="0: no checkpoints")
     a("--resume", default=None, help="a checkpoint directory (any grid may have saved it)")
+    a("--overwrite", action="store_true", help="replace the run already in --out (its metrics, "
+      "plot and checkpoints)")
     a("--sample", type=int, default=200, help="characters of generated text at the end; 0: none")
     a("--peak-tflops", type=float, default=None, help="per-device peak for MFU (GPUs: detected)")
     return p
@@ -71,9 +79,7 @@ def parser() -> argparse.ArgumentParser:
 
 def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     """Every check that can run before a rank starts; ValueError with the fix."""
-    for name in ("steps", "batch", "seq", "eval_every"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    check_flags(args)
     mcfg = ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
                        n_layers=args.layers, n_heads=args.heads)
     pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, virtual_pp=args.virtual,
@@ -84,7 +90,8 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
         raise UsageError(f"--schedule {args.schedule} needs a pipeline: add --pp 2 (or more)")
     if args.pp > 1 or args.virtual > 1:
         check_placement(mcfg, args.pp, tuple(s % args.pp for s in range(args.pp * args.virtual)))
-    args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.pp > 1 else 1
     if args.batch % (args.dp * args.microbatches):
         raise UsageError(f"--batch {args.batch} must split into dp={args.dp} replicas of "
                          f"{args.microbatches} micro-batches: use a multiple of "
@@ -92,16 +99,90 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     if args.pp > 1 or args.virtual > 1:        # an unknown or impossible schedule fails here
         make_schedule(args.schedule or ("interleaved" if args.virtual > 1 else "1f1b"),
                       args.pp, args.microbatches, args.virtual)
+    check_writable(args.out)
+    args.resume_step = None
+    if args.resume:
+        manifest = checkpoint.read_manifest(args.resume)
+        checkpoint.check_compatible(manifest, mcfg, args.resume)
+        args.resume_step = manifest["step"]
+    check_replacing(args)
+    return mcfg, pcfg
+
+
+def check_flags(args) -> None:
+    """Each number flag in its range, NaN and infinities refused: --lr nan trains NaN."""
+    for name, what, example in (("steps", "the number of steps", 300), ("batch", "the batch", 16),
+                                ("seq", "the sequence length", 64),
+                                ("eval_every", "the evaluation interval", 50)):
+        check_number(f"--{name.replace('_', '-')}", getattr(args, name), what, example,
+                     minimum=1, allow_minimum=True, integer=True)
+    check_number("--lr", args.lr, "the learning rate", "3e-4")
+    if args.overwrite and args.resume:
+        raise UsageError("--overwrite with --resume: --resume continues the run in --out, "
+                         "--overwrite starts a new one there; pass one of them")
+    check_number("--save-every", args.save_every, "the checkpoint interval (0: none)", 100,
+                 allow_minimum=True, integer=True)
+    check_number("--sample", args.sample, "the sample's length (0: none)", 200,
+                 allow_minimum=True, integer=True)
+    if args.microbatches is not None:
+        check_number("--microbatches", args.microbatches, "the micro-batches per step", 4,
+                     minimum=1, allow_minimum=True, integer=True)
+    if args.peak_tflops is not None:
+        check_number("--peak-tflops", args.peak_tflops, "a device's peak TFLOP/s", 312)
+
+
+def check_writable(out: str) -> None:
+    """Create --out and write a file into it. The probe has a name of its own: torchrun's
+    processes all probe at once, and one's remove must not take away another's file."""
     try:
-        os.makedirs(args.out, exist_ok=True)
-        probe = os.path.join(args.out, ".write-test")
-        open(probe, "w").close()
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out)
+        os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise UsageError(f"cannot write to --out {args.out}: {e.strerror}") from None
-    if args.resume:
-        checkpoint.check_compatible(checkpoint.read_manifest(args.resume), mcfg, args.resume)
-    return mcfg, pcfg
+        raise UsageError(f"cannot write to --out {out}: {e.strerror}") from None
+
+
+RUN_FILES = ("metrics.jsonl", "loss.png", "checkpoints")
+
+
+def existing_run(out: str) -> list[str]:
+    """What an earlier run left in `out` (an empty checkpoints folder does not count)."""
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if "checkpoints" in found and not os.listdir(os.path.join(out, "checkpoints")):
+        found.remove("checkpoints")
+    return found
+
+
+def check_replacing(args) -> None:
+    """A run never silently replaces another: --resume continues it, --overwrite replaces it."""
+    found = existing_run(args.out)
+    if found and not (args.resume or args.overwrite):
+        latest = os.path.join(args.out, "checkpoints", "latest")
+        cont = f"--resume {latest}" if os.path.exists(latest) else "--resume CHECKPOINT"
+        raise UsageError(f"--out {args.out} already holds a run ({', '.join(found)}): pass "
+                         f"{cont} to continue it, --overwrite to replace it, or another --out")
+
+
+def claim_out(args) -> None:
+    """One process (rank 0) makes --out ready: --overwrite removes the old run, saying what;
+    --resume drops the metrics rows past the checkpoint, so the curve is this run's."""
+    metrics = os.path.join(args.out, "metrics.jsonl")
+    if args.overwrite:
+        found = existing_run(args.out)
+        if found:
+            print(f"minitron.train: --overwrite: removing {', '.join(found)} from {args.out}",
+                  file=sys.stderr)
+        for name in found:
+            path = os.path.join(args.out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    elif args.resume and os.path.exists(metrics):
+        rows = [line for line in open(metrics) if line.strip()]
+        kept = [line for line in rows if json.loads(line)["step"] <= args.resume_step]
+        tmp = f"{metrics}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, metrics)
 
 
 # ---- what every rank runs -------------------------------------------------------------------
@@ -128,6 +209,9 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
         row = {"step": step + 1, "loss": loss, "tokens_per_s": rate["tokens/s"], "mfu": rate.get("MFU")}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             row["eval_loss"] = run.evaluate(*held_out.batch(0))
+            if not np.isfinite(row["eval_loss"]):       # every rank has the same value
+                raise FloatingPointError(f"step {step + 1}: the held-out loss is "
+                                         f"{row['eval_loss']}: the run diverged; lower --lr")
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             path = os.path.join(args.out, "checkpoints", f"step_{step + 1:06d}")
             checkpoint.save(path, run.model, run.engine, run.optimizer, step=step + 1,
@@ -140,6 +224,8 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
             log.flush()
             bar.show(row)
     bar.close()
+    if log is not None:
+        log.close()
     sample = _sample(run, mcfg, args) if args.sample else None
     return (metrics, sample) if lead else None
 
@@ -215,32 +301,53 @@ def plot(metrics: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def read_metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def one_line(e: RankError) -> str:
+    """The failed rank's first line and its exception, once (a death is one line already)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return str(e)
+    cause = next((ln for ln in reversed(lines) if "Error:" in ln), lines[-1])
+    return lines[0] if cause == lines[0] else f"{lines[0]} {cause}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
         mcfg, pcfg = configure(args)
-        data.prepare(args.corpus, os.path.join(args.out, "corpus.bin"))
+        data.prepare(args.corpus, os.path.join(args.out, "corpus.bin"), seq=args.seq)
+        if os.environ.get("RANK", "0") == "0":
+            claim_out(args)
     except ValueError as e:
         print(f"minitron.train: error: {e}", file=sys.stderr)
         return 2
     try:
         results = launch(worker, args, mcfg, pcfg, os.dup(sys.stderr.fileno()), world_size=pcfg.world_size)
     except RankError as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        cause = next((ln for ln in reversed(lines) if "Error:" in ln), lines[-1] if lines else str(e))
-        print(f"minitron.train: error: {lines[0] if lines else ''} {cause.strip()}", file=sys.stderr)
+        print(f"minitron.train: error: {one_line(e)}", file=sys.stderr)
         return 1
-    if os.environ.get("RANK", "0") != "0":
-        return 0
-    metrics, sample = results[0]
-    if metrics:
-        plot(metrics, os.path.join(args.out, "loss.png"))
-        print(f"loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}; metrics in "
-              f"{args.out}/metrics.jsonl, curve in {args.out}/loss.png")
-    if sample:
-        print("sample:", sample)
+    try:
+        if os.environ.get("RANK", "0") == "0":
+            metrics, sample = results[0]
+            if metrics:
+                plot(read_metrics(args.out), os.path.join(args.out, "loss.png"))
+                print(f"loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}; metrics in "
+                      f"{args.out}/metrics.jsonl, curve in {args.out}/loss.png")
+            if sample:
+                print("sample:", sample)
+    finally:
+        end_of_run()        # under torchrun: every process waits here until rank 0 has written
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if under_torchrun():    # leave without the interpreter's teardown (launch.end_of_run)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
