@@ -214,6 +214,18 @@ def test_cli_passes_a_pipeline_schedule():
     assert run.stdout.strip().splitlines()[-1].startswith("PASS max_rel_err=")
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "nan"], "--lr nan: the learning rate must be a finite number > 0, e.g. --lr 1e-4"),
+    (["--lr", "-0.0001"], "--lr -0.0001: the learning rate must be a finite number > 0"),
+    (["--eps", "inf"], "--eps inf: AdamW's eps must be a finite number > 0"),
+    (["--experts", "4", "--capacity-factor", "inf"], "--capacity-factor inf: the capacity factor"),
+])
+def test_non_finite_or_negative_hyperparameters_exit_2(capsys, argv, message):
+    assert verify.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
 def test_bad_config_fails_before_launching(capsys):
     assert verify.main(["--tp", "2", "--hidden", "48", "--heads", "3"]) == 2
     assert "n_heads=3 is not divisible by tp=2" in capsys.readouterr().err
