@@ -24,7 +24,9 @@ Failures never hang:
     operation it was in (minitron.comm publishes that to the parent);
   * a collective that a peer never joins times out after `timeout` seconds inside the rank
     and comes back as the first case, naming rank and operation (gloo raises; nccl's
-    watchdog aborts the rank instead, which comes back as the second case);
+    watchdog aborts the rank instead, which comes back as the second case); a peer that made
+    no progress meanwhile (stopped, frozen, or blocked outside any collective) is named
+    first, as the rank to look at;
   * a run in which no rank makes progress for `timeout` seconds (plus a grace of a tenth, at
     least 2 s, that lets the case above report first) is stopped, naming the ranks still
     running and what each was doing. Progress is entering or leaving a collective, or using
