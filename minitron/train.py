@@ -177,8 +177,12 @@ def claim_out(args) -> None:
             path = os.path.join(args.out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     elif args.resume and os.path.exists(metrics):
-        rows = [line for line in open(metrics) if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] <= args.resume_step]
+        try:
+            kept = [line for line in open(metrics) if line.strip()
+                    and json.loads(line)["step"] <= args.resume_step]
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"{metrics} is not a metrics file of minitron.train: move it "
+                             "away, or pass another --out") from None
         tmp = f"{metrics}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)

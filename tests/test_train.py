@@ -5,11 +5,13 @@ import json
 import math
 import multiprocessing as mp
 import os
+import re
 import shutil
 
 import pytest
 
 from minitron import train
+from minitron.launch import RankError
 
 TINY = ["--steps", "6", "--hidden", "32", "--seq", "16", "--batch", "4", "--layers", "2",
         "--eval-every", "3", "--save-every", "3", "--sample", "20", "--lr", "1e-2"]
@@ -66,7 +68,7 @@ def test_a_diverging_run_stops_and_keeps_the_good_run(run_copy, capfd):
     more[1] = "12"
     assert train.main(more + ["--out", run_copy, "--resume", latest, "--lr", "1e30"]) == 1
     err = capfd.readouterr().err.strip().splitlines()[-1]
-    assert "FloatingPointError: step 8: the loss is nan: the run diverged" in err, err
+    assert re.search(r"FloatingPointError: step 8: the loss is (nan|inf): the run diverged", err), err
     assert os.path.realpath(latest).endswith("step_000006")
     assert sorted(os.listdir(os.path.join(run_copy, "checkpoints"))) == \
         ["latest", "step_000003", "step_000006"]
@@ -162,3 +164,10 @@ def test_a_corpus_too_short_is_refused_before_any_rank_starts(tmp_path, capfd):
     assert train.main(["--out", str(tmp_path / "run"), "--corpus", str(short)]) == 2
     err = capfd.readouterr().err.strip()
     assert err.startswith(f"minitron.train: error: corpus {short} has 10 bytes") and "--seq 64" in err
+
+
+def test_a_rank_error_is_one_line_naming_the_rank_once():
+    death = "rank 1 died with signal SIGKILL while in: running (last: all_reduce on group 'dp' [0, 1])"
+    assert train.one_line(RankError(death)) == death
+    raised = "rank 0 raised:\nTraceback (most recent call last):\n  File x\nKeyError: 'k'"
+    assert train.one_line(RankError(raised)) == "rank 0 raised: KeyError: 'k'"
