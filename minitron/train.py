@@ -159,9 +159,9 @@ def check_replacing(args) -> None:
     found = existing_run(args.out)
     if found and not (args.resume or args.overwrite):
         latest = os.path.join(args.out, "checkpoints", "latest")
-        cont = f"--resume {latest}" if os.path.exists(latest) else "--resume CHECKPOINT"
+        cont = f"--resume {latest} to continue it, " if os.path.exists(latest) else ""
         raise UsageError(f"--out {args.out} already holds a run ({', '.join(found)}): pass "
-                         f"{cont} to continue it, --overwrite to replace it, or another --out")
+                         f"{cont}--overwrite to replace it, or another --out")
 
 
 def claim_out(args) -> None:
