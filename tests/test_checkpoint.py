@@ -157,3 +157,52 @@ def test_a_wrong_placement_is_caught(run_ranks, tmp_path):
     _, next_loss = run_ranks(train_and_save, dict(tp=2), 0, path, 2, world_size=2)[0]
     loss = run_ranks(load_with_swapped_tp_pieces, path, world_size=2)[0][2]
     assert abs(loss - next_loss) > 100 * TOL * abs(next_loss)
+
+
+def save_with_a_nan_on_rank_1(path):
+    run = make_run(dict(dp=2), 0, seed=3)
+    run.step(*batch(0), 0)
+    if run.grid.rank == 1:
+        with torch.no_grad():
+            next(run.model.parameters()).view(-1)[0] = float("nan")
+    try:
+        checkpoint.save(path, run.model, run.engine, run.optimizer, step=99)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+
+
+def test_non_finite_weights_are_never_saved(run_ranks, tmp_path):
+    """A diverged run must not replace a good checkpoint: every rank refuses, even the one whose
+    weights are finite, and the previous checkpoint stays."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(train_and_save, dict(dp=2), 0, path, 1, world_size=2)
+    errors = run_ranks(save_with_a_nan_on_rank_1, path, world_size=2)
+    assert errors[0] == f"refusing to save {path}: non-finite values (NaN or inf) on another rank"
+    assert errors[1].startswith(f"refusing to save {path}: non-finite values (NaN or inf) on this rank: model/")
+    assert json.load(open(os.path.join(path, checkpoint.MANIFEST)))["step"] == 1
+    assert not os.path.exists(path + ".partial")
+
+
+@pytest.mark.parametrize("bad", [dict(lr=float("nan")), dict(lr=float("inf")), dict(lr=-1e-3),
+                                 dict(weight_decay=float("nan")), dict(max_norm=float("nan"))])
+def test_a_run_refuses_non_finite_hyperparameters(bad):
+    with pytest.raises(ValueError, match="must be a finite number"):
+        TrainingRun(MCFG, ParallelConfig(), **bad)       # before any process group is needed
+
+
+def step_with_a_nan_weight():
+    run = make_run(dict(dp=2), 0)
+    with torch.no_grad():
+        next(run.model.parameters()).view(-1)[0] = float("nan")
+    weights = [p.detach().clone() for p in run.model.parameters()]
+    try:
+        run.step(*batch(0), 0)
+    except FloatingPointError as e:
+        return str(e), all(torch.allclose(p, w, rtol=0, atol=0, equal_nan=True)
+                           for p, w in zip(run.model.parameters(), weights))
+    return None, False
+
+
+def test_a_non_finite_loss_stops_the_step_before_the_update(run_ranks):
+    for message, untouched in run_ranks(step_with_a_nan_weight, world_size=2):
+        assert message.startswith("step 1: the loss is nan: the run diverged") and untouched

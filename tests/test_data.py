@@ -55,3 +55,43 @@ def test_each_data_parallel_rank_gets_its_own_rows():
             config, coords = cfg, {"ep": 0, "dp": d}
         rows.append(local_rows(8, G))
     assert [(r.start, r.stop) for r in rows] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_the_token_cache_is_keyed_by_its_source(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the first text\n" * 20)
+    b.write_text("the other text\n" * 20)           # the same size as a
+    os.utime(b, (0, 0))                             # and older than any cache
+    cache = str(tmp_path / "corpus.bin")
+    assert bytes(data.prepare(str(a), cache)) == a.read_bytes()
+    assert bytes(data.prepare(str(b), cache)) == b.read_bytes()   # not a's tokens
+    written = os.stat(cache).st_mtime_ns
+    assert bytes(data.prepare(str(b), cache)) == b.read_bytes()
+    assert os.stat(cache).st_mtime_ns == written                  # reused, not rewritten
+    os.remove(cache + ".source.json")               # a run killed between the two renames
+    open(cache, "wb").write(a.read_bytes())
+    assert bytes(data.prepare(str(b), cache)) == b.read_bytes()
+
+
+@pytest.mark.parametrize("text, message", [(b"", "is empty"), (b"0123456789", "has 10 bytes")])
+def test_a_corpus_too_short_for_one_sequence_per_split_is_refused(tmp_path, text, message):
+    short, cache = tmp_path / "short.txt", tmp_path / "corpus.bin"
+    short.write_bytes(text)
+    with pytest.raises(ValueError, match=message) as info:
+        data.prepare(str(short), str(cache), seq=64)
+    assert str(short) in str(info.value) and not cache.exists()    # nothing left behind
+
+
+def test_the_shortest_corpus_it_asks_for_gives_both_splits_a_batch(tmp_path):
+    text, seq = tmp_path / "t.txt", 16
+    text.write_bytes(b"x" * 10)
+    with pytest.raises(ValueError) as info:
+        data.prepare(str(text), str(tmp_path / "c.bin"), seq=seq)
+    need = int(str(info.value).split("at least ")[1].split()[0])
+    text.write_bytes(b"x" * (need - 1))
+    with pytest.raises(ValueError, match=f"has {need - 1} bytes"):
+        data.prepare(str(text), str(tmp_path / "c.bin"), seq=seq)
+    text.write_bytes(b"x" * need)
+    train, val = data.split(data.prepare(str(text), str(tmp_path / "c.bin"), seq=seq))
+    for part in (train, val):
+        assert data.Loader(part, batch=2, seq=seq).batch(0)[0].shape == (2, seq)

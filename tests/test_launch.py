@@ -1,5 +1,6 @@
 """The launcher: results in rank order, deterministic output, and failures that never hang."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -81,6 +82,38 @@ def test_stuck_collective_names_rank_and_operation(fn):
     assert time.monotonic() - start < 20
     msg = str(info.value)
     assert "rank 0" in msg and "all_reduce" in msg, msg
+
+
+def _stop_rank_1():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)   # as `kill -STOP`: no CPU, no heartbeat
+    comm.all_reduce(torch.ones(4), _world())  # rank 0 waits for it until the collective times out
+
+
+def _sleep_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(30)                        # alive, but outside any collective
+    comm.all_reduce(torch.ones(4), _world())
+
+
+@pytest.mark.parametrize("fn, why", [(_stop_rank_1, "no heartbeat either: the process is stopped"),
+                                     (_sleep_on_rank_1, "no CPU, no collective")],
+                         ids=["stopped", "sleeping"])
+def test_the_rank_that_made_no_progress_is_named_not_the_one_waiting_for_it(fn, why):
+    with pytest.raises(minitron.RankError) as info:
+        minitron.launch(fn, world_size=2, timeout=SHORT)
+    msg = str(info.value)
+    assert msg.startswith(f"rank 1 made no progress for ") and why in msg, msg
+    assert "rank 0 timed out waiting for it:" in msg and "all_reduce" in msg
+
+
+def test_worker_pool_names_the_stopped_rank():
+    pool = minitron.WorkerPool(2, timeout=SHORT)
+    try:
+        with pytest.raises(minitron.RankError, match="^rank 1 made no progress for .* stopped"):
+            pool.run(_stop_rank_1)
+    finally:
+        pool.close()
 
 
 # ---- the run's deadline: no progress for `timeout` seconds (plus a grace) ----------------------

@@ -23,6 +23,8 @@ AdamW is elementwise, so stepping shards is stepping the whole.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kernels import ops
@@ -33,14 +35,14 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
-        if lr < 0.0:
-            raise ValueError(f"FusedAdamW: lr must be >= 0, got {lr}")
-        if eps < 0.0:
-            raise ValueError(f"FusedAdamW: eps must be >= 0, got {eps}")
+        if not 0.0 <= lr < math.inf:        # NaN fails both comparisons
+            raise ValueError(f"FusedAdamW: lr must be finite and >= 0, got {lr}")
+        if not 0.0 <= eps < math.inf:        # NaN fails both comparisons
+            raise ValueError(f"FusedAdamW: eps must be finite and >= 0, got {eps}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"FusedAdamW: betas must be in [0, 1), got {betas}")
-        if weight_decay < 0.0:
-            raise ValueError(f"FusedAdamW: weight_decay must be >= 0, got {weight_decay}")
+        if not 0.0 <= weight_decay < math.inf:        # NaN fails both comparisons
+            raise ValueError(f"FusedAdamW: weight_decay must be finite and >= 0, got {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             for p in group["params"]:

@@ -25,6 +25,8 @@ rank's shard is stepping the whole model. It reads its shards from an engine: Da
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kernels import ops
@@ -38,8 +40,9 @@ class ZeroOptimizer:
 
     def __init__(self, engine, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"ZeroOptimizer: need lr, eps, weight_decay >= 0 and betas in [0, 1); "
+        finite = all(0 <= x < math.inf for x in (lr, eps, weight_decay))   # NaN fails both
+        if not finite or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"ZeroOptimizer: need finite lr, eps, weight_decay >= 0 and betas in [0, 1); "
                              f"got lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={betas}")
         self.engine = engine
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay

@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 
     def _render(self, flags: dict[str, str] | None) -> str:
         def name(field, value, fix=False):
-            flag = None if flags is None else flags.get(field)
+            flag = field if field.startswith("--") else None if flags is None else flags.get(field)
             if flag is None:
                 return f"{field}={value!r}"
             if value is True:
@@ -81,6 +81,22 @@ def check_adamw(lr: float, eps: float | None = None, *, lr_works: float = 1e-4,
                 or not math.isfinite(value) or value <= 0:
             raise ConfigError("{%s} must be a finite number > 0" % field, {field: value},
                               [{field: works}])
+
+
+def check_number(name: str, value, what: str, works, *, minimum: float = 0.0,
+                 allow_minimum: bool = False, integer: bool = False) -> None:
+    """ConfigError unless `value` is a finite number above `minimum` (or equal, with
+    allow_minimum): the one rule for a hyperparameter, shared by the command lines. `name` is a
+    field (rendered --flag by a CLI) or a flag itself: `--lr nan: the learning rate must be a
+    finite number > 0; use --lr 3e-4`. NaN fails every comparison, so `value < 0` lets it in."""
+    kind = "an integer" if integer else "a finite number"
+    bound = f"{'>=' if allow_minimum else '>'} {minimum:g}"
+    ok = (isinstance(value, int) if integer else isinstance(value, (int, float))) \
+        and not isinstance(value, bool) and math.isfinite(value) \
+        and (value >= minimum if allow_minimum else value > minimum)
+    if not ok:
+        raise ConfigError("{%s}: %s must be %s %s" % (name, what, kind, bound), {name: value},
+                          [{name: works}])
 
 
 @dataclasses.dataclass(frozen=True)

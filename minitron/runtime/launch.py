@@ -24,7 +24,9 @@ Failures never hang:
     operation it was in (minitron.runtime.comm publishes that to the parent);
   * a collective that a peer never joins times out after `timeout` seconds inside the rank
     and comes back as the first case, naming rank and operation (gloo raises; nccl's
-    watchdog aborts the rank instead, which comes back as the second case);
+    watchdog aborts the rank instead, which comes back as the second case); a peer that made
+    no progress meanwhile (stopped, frozen, or blocked outside any collective) is named
+    first, as the rank to look at;
   * a run in which no rank makes progress for `timeout` seconds (plus a grace of a tenth, at
     least 2 s, that lets the case above report first) is stopped, naming the ranks still
     running and what each was doing. Progress is entering or leaving a collective, or using
@@ -95,7 +97,8 @@ class _Rank:
     def __init__(self, rank: int, world_size: int, log: bool = False):
         self.rank = rank
         self.status = self.ctx.Array("c", _STATUS_LEN, lock=False)
-        self.progress = self.ctx.Array("d", 2, lock=False)  # [status changes, CPU seconds]
+        # [status changes, CPU seconds, time of the last heartbeat] (deadline.py)
+        self.progress = self.ctx.Array("d", 3, lock=False)
         self.parent_conn, self.child_conn = self.ctx.Pipe(duplex=True)
         self.log_fd = append_only_file() if log else None
 
@@ -227,6 +230,8 @@ def _wait_for_replies(ranks: list[_Rank], replies: dict[int, tuple], timeout: fl
                 sentinels.pop(r.process.sentinel, None)
                 if replies[r.rank][0] == "error":
                     _raise_if_a_peer_died(ranks, replies)  # then that death is the root cause
+                    _raise_if_a_peer_stalled(deadline, timeout, r, replies[r.rank][1],
+                                             [o for o in ranks if o.rank not in replies])
                     others = [f"  rank {o.rank}: {o.doing()}" for o in ranks
                               if o.rank not in replies]
                     waiting = ("\nThe other ranks were stopped while doing:\n" + "\n".join(others)
@@ -250,6 +255,22 @@ def _raise_if_a_peer_died(ranks: list[_Rank], replies: dict[int, tuple]) -> None
         if o.process.exitcode is not None:
             raise RankError(f"rank {o.rank} died with {_exit_reason(o.process.exitcode)} "
                             f"while in: {o.doing()}")
+
+
+def _raise_if_a_peer_stalled(deadline: Deadline, timeout: float, waiter, error: str,
+                             others: list) -> None:
+    """A collective that timed out names the rank that waited; blame the peer that made no
+    progress while it waited (stopped, frozen, or blocked outside any collective)."""
+    if "timed out" not in error.lower():
+        return
+    stalled = deadline.stalled(others, min_idle=0.5 * timeout)
+    if not stalled:
+        return
+    r, idle, frozen = stalled[0]
+    why = ("no heartbeat either: the process is stopped, e.g. SIGSTOP or a debugger, or frozen"
+           if frozen else "no CPU, no collective: blocked outside minitron.comm")
+    raise RankError(f"rank {r.rank} made no progress for {idle:.0f} s ({why}) while in: "
+                    f"{r.doing()}; rank {waiter.rank} timed out waiting for it:\n{error}")
 
 
 def _echo(ranks: list[_Rank], replies: dict[int, tuple], echo: bool, failed: bool) -> None:
@@ -321,6 +342,20 @@ def _free_port() -> int:
 
 def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+under_torchrun = _under_torchrun
+
+
+def end_of_run() -> None:
+    """Under torchrun, the last call of a script's every process (no-op otherwise): wait until
+    every rank has got here (rank 0 has written its summary and files), then tear the group
+    down. A process that then aborts while the interpreter exits ("terminate called without an
+    active exception", a gloo thread) makes torchrun kill the others, rank 0 mid-write; so
+    after this call the script should leave with os._exit, skipping that teardown."""
+    if _under_torchrun() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout):

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from .deadline import Deadline, heartbeat
 from .launch import (DEFAULT_TIMEOUT, RankError, _check_can_fork, _enter_rank, _exit_reason,
-                     _free_port, _init, _pick_backend, _raise_if_a_peer_died, _Rank)
+                     _free_port, _init, _pick_backend, _raise_if_a_peer_died,
+                     _raise_if_a_peer_stalled, _Rank)
 from .rank_output import dumps_for_parent
 
 
@@ -80,6 +81,8 @@ class WorkerPool:
                                     f"while in: {r.doing()}") from None
                 if status == "error":
                     _raise_if_a_peer_died(list(pending), {})  # then that death is the root cause
+                    _raise_if_a_peer_stalled(deadline, self.timeout, r, value, sorted(
+                        pending, key=lambda o: o.rank))
                     raise RankError(f"rank {r.rank} raised:\n{value}")
                 replies[r.rank] = value
         return [replies[r.rank] for r in self.ranks]

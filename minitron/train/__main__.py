@@ -1,6 +1,13 @@
 """python -m minitron.train (minitron/train/cli.py)."""
+import os
 import sys
 
+from ..runtime.launch import under_torchrun
 from .cli import main
 
-sys.exit(main())
+code = main()
+if under_torchrun():    # leave without the interpreter's teardown (launch.end_of_run)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+sys.exit(code)

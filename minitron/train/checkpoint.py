@@ -181,15 +181,16 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
                          "engine= too (data_parallel.wrap returns both)")
     path = os.path.abspath(path)
     partial = path + ".partial"
+    placed = placements(local_weights(model, engine), model, "model/")
+    if optimizer is not None:
+        for kind, flat in _optimizer_flats(optimizer):
+            placed.update(placements(_state_to_local(engine, flat), model, f"optimizer/{kind}/"))
+    _refuse_non_finite(placed, grid, path)
     if grid.rank == 0:
         if os.path.exists(partial):
             shutil.rmtree(partial)        # left by a save that died
         os.makedirs(partial)
     comm.barrier(_world(grid))
-    placed = placements(local_weights(model, engine), model, "model/")
-    if optimizer is not None:
-        for kind, flat in _optimizer_flats(optimizer):
-            placed.update(placements(_state_to_local(engine, flat), model, f"optimizer/{kind}/"))
     dcp.save({k: v[0] for k, v in placed.items()}, planner=PlacedSavePlanner(placed),
              storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True))
     _die_if_planted("written", grid.rank)
@@ -217,6 +218,16 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
     comm.barrier(_world(grid))
 
 
+def _refuse_non_finite(placed: dict, grid, path: str) -> None:
+    """A diverged run must not replace a good checkpoint: CheckpointError on every rank (the
+    verdict is all-reduced) when any rank's weights or optimizer state hold a NaN or an inf."""
+    bad = [name for name, (t, _, _) in placed.items() if not torch.isfinite(t).all()]
+    flag = torch.tensor([float(bool(bad))], device=next(iter(placed.values()))[0].device)
+    if comm.all_reduce(flag, _world(grid))[0] > 0:
+        where = f"on this rank: {', '.join(bad[:3])}" if bad else "on another rank"
+        raise CheckpointError(f"refusing to save {path}: non-finite values (NaN or inf) {where}")
+
+
 def _zero_stage(engine):
     if engine is None:
         return None
@@ -242,8 +253,7 @@ def read_manifest(path: str) -> dict:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file} cannot be read: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: format {manifest.get('format')!r}, this minitron reads {FORMAT}")
+    _check_shape(manifest, file)
     for name, want in manifest["files"].items():
         f = os.path.join(path, name)
         if not os.path.isfile(f):
@@ -254,6 +264,31 @@ def read_manifest(path: str) -> dict:
         if _sha256(f) != want["sha256"]:
             raise CheckpointError(f"{f} is corrupted: its sha256 differs from the manifest's")
     return manifest
+
+
+# What load reads from a manifest: key -> the types its value may have.
+_FIELDS = {"model": dict, "step": int, "dropout_seed": int, "optimizer_step": (int, type(None)),
+           "optimizer_states": list, "extra": dict, "files": dict}
+
+
+def _check_shape(manifest, file: str) -> None:
+    """CheckpointError naming the file unless the JSON is a manifest of this format: valid JSON
+    of another shape (a list, a missing key) is as unreadable as a corrupt file."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file} is not a minitron manifest: a JSON "
+                              f"{type(manifest).__name__}, not an object")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format {manifest.get('format')!r}, this minitron reads {FORMAT}")
+    wrong = [k for k, kinds in _FIELDS.items() if k not in manifest
+             or not isinstance(manifest[k], kinds) or isinstance(manifest[k], bool)]
+    files = manifest.get("files")
+    if isinstance(files, dict):
+        wrong += [f"files[{n!r}]" for n, f in files.items()
+                  if n != os.path.basename(n) or not isinstance(f, dict)
+                  or not isinstance(f.get("bytes"), int) or not isinstance(f.get("sha256"), str)]
+    if wrong:
+        raise CheckpointError(f"{file} is not a minitron manifest: missing or malformed "
+                              + ", ".join(wrong))
 
 
 def check_compatible(manifest: dict, cfg: ModelConfig, path: str) -> None:

@@ -8,8 +8,11 @@
 It shows a progress line (loss, tokens/s, MFU where the device's peak is known or given),
 evaluates on held-out text (the corpus's last 10%), saves checkpoints (minitron.checkpoint:
 loadable on any other grid), writes metrics.jsonl and loss.png to --out, and prints a sample
-of generated text. A bad option, an impossible grid, a missing corpus or checkpoint, a
-directory it cannot write: one line on stderr and exit code 2 (1 if a rank fails mid-run).
+of generated text. A bad option, an impossible grid, a missing or too short corpus, a bad
+checkpoint, a directory it cannot write or that already holds a run (continue it with
+--resume, replace it with --overwrite: train/out_dir.py): one line on stderr and exit code 2. A
+rank that fails mid-run, or a loss that turns NaN or infinite (the run stops before that step's
+update, and saves nothing more): exit code 1.
 """
 from __future__ import annotations
 
@@ -26,19 +29,16 @@ import torch
 from . import checkpoint, data
 from ..estimate import flops
 from ..grid import CP_VARIANTS, ParallelConfig
-from ..runtime.launch import RankError, launch
-from ..model.config import CHOICES, ConfigError, ModelConfig
+from ..runtime.launch import RankError, end_of_run, launch, under_torchrun
+from ..model.config import CHOICES, ConfigError, ModelConfig, check_number
 from ..model.fused import enable_kernels
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
 from ..pipeline.partition import check_placement
 from .engine import TrainingRun, check_supported, resolve_schedule
 from .lr import LR_SCHEDULES, describe, learning_rate
+from .out_dir import UsageError, check_replacing, check_writable, claim_out, read_metrics
 from .progress import Progress, plot
-
-
-class UsageError(ValueError):
-    pass
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     r("--eval-every", type=int, default=50)
     r("--save-every", type=int, default=100, help="0: no checkpoints")
     r("--resume", default=None, help="a checkpoint directory (any grid may have saved it)")
+    r("--overwrite", action="store_true", help="replace the run already in --out (its metrics, "
+      "plot and checkpoints)")
     r("--sample", type=int, default=200, help="characters of generated text at the end; 0: none")
     r("--peak-tflops", type=float, default=None, help="per-device peak for MFU (GPUs: detected)")
     return p
@@ -122,9 +124,7 @@ def model_config(args) -> ModelConfig:
 
 def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     """Every check that can run before a rank starts; ValueError with the fix."""
-    for name in ("steps", "batch", "seq", "eval_every"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    check_flags(args)
     args.warmup = args.steps // 10 if args.warmup is None else args.warmup
     if args.warmup < 0 or args.clip < 0:
         raise UsageError("--warmup and --clip must be >= 0 (0: no warm-up, no clipping)")
@@ -144,7 +144,8 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
                              f"sequences of --batch over dp*ep={replicas} replicas: use a divisor "
                              f"of {args.batch // replicas}")
         args.microbatches = args.batch // (replicas * args.micro_batch)
-    args.microbatches = args.microbatches or (2 * args.pp if args.pp > 1 else 1)
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.pp > 1 else 1
     if args.batch % (replicas * args.microbatches):
         raise UsageError(f"--batch {args.batch} must split into dp*ep={replicas} replicas of "
                          f"{args.microbatches} micro-batches: use a multiple of "
@@ -156,16 +157,40 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     check_supported(pcfg, mcfg, args.dtype_, args.zero,
                     resolve_schedule(pcfg, args.schedule, args.microbatches))
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        probe = os.path.join(args.out, ".write-test")
-        open(probe, "w").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"cannot write to --out {args.out}: {e.strerror}") from None
+    check_writable(args.out)
+    args.resume_step = None
     if args.resume:
-        checkpoint.check_compatible(checkpoint.read_manifest(args.resume), mcfg, args.resume)
+        manifest = checkpoint.read_manifest(args.resume)
+        checkpoint.check_compatible(manifest, mcfg, args.resume)
+        args.resume_step = manifest["step"]
+    check_replacing(args)
     return mcfg, pcfg
+
+
+def check_flags(args) -> None:
+    """Each number flag in its range, NaN and infinities refused: --lr nan trains NaN."""
+    for name, what, example in (("steps", "the number of steps", 300), ("batch", "the batch", 16),
+                                ("seq", "the sequence length", 64),
+                                ("eval_every", "the evaluation interval", 50)):
+        check_number(f"--{name.replace('_', '-')}", getattr(args, name), what, example,
+                     minimum=1, allow_minimum=True, integer=True)
+    check_number("--lr", args.lr, "the learning rate", "3e-4")
+    check_number("--weight-decay", args.weight_decay, "the weight decay", 0.1, allow_minimum=True)
+    check_number("--clip", args.clip, "the clipping norm (0: off)", 1.0, allow_minimum=True)
+    if args.min_lr is not None:
+        check_number("--min-lr", args.min_lr, "the final learning rate", "3e-5", allow_minimum=True)
+    if args.overwrite and args.resume:
+        raise UsageError("--overwrite with --resume: --resume continues the run in --out, "
+                         "--overwrite starts a new one there; pass one of them")
+    check_number("--save-every", args.save_every, "the checkpoint interval (0: none)", 100,
+                 allow_minimum=True, integer=True)
+    check_number("--sample", args.sample, "the sample's length (0: none)", 200,
+                 allow_minimum=True, integer=True)
+    if args.microbatches is not None:
+        check_number("--microbatches", args.microbatches, "the micro-batches per step", 4,
+                     minimum=1, allow_minimum=True, integer=True)
+    if args.peak_tflops is not None:
+        check_number("--peak-tflops", args.peak_tflops, "a device's peak TFLOP/s", 312)
 
 
 # ---- what every rank runs -------------------------------------------------------------------
@@ -199,6 +224,9 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
                "mfu": rate.get("MFU"), **run.health()}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             row["eval_loss"] = run.evaluate(*held_out.batch(0))
+            if not np.isfinite(row["eval_loss"]):       # every rank has the same value
+                raise FloatingPointError(f"step {step + 1}: the held-out loss is "
+                                         f"{row['eval_loss']}: the run diverged; lower --lr")
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             path = os.path.join(args.out, "checkpoints", f"step_{step + 1:06d}")
             checkpoint.save(path, run.model, run.engine, run.optimizer, step=step + 1,
@@ -211,6 +239,8 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
             log.flush()
             bar.show(row)
     bar.close()
+    if log is not None:
+        log.close()
     sample = _sample(run, mcfg, args) if args.sample else None
     return (metrics, sample) if lead else None
 
@@ -241,11 +271,22 @@ def _sample(run: TrainingRun, mcfg: ModelConfig, args) -> str | None:
     return data.decode(ids[0].tolist())
 
 
+def one_line(e: RankError) -> str:
+    """The failed rank's first line and its exception, once (a death is one line already)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return str(e)
+    cause = next((ln for ln in reversed(lines) if "Error:" in ln), lines[-1])
+    return lines[0] if cause == lines[0] else f"{lines[0]} {cause}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
         mcfg, pcfg = configure(args)
-        data.prepare(args.corpus, os.path.join(args.out, "corpus.bin"))
+        data.prepare(args.corpus, os.path.join(args.out, "corpus.bin"), seq=args.seq)
+        if os.environ.get("RANK", "0") == "0":
+            claim_out(args)
     except ValueError as e:
         print(f"minitron.train: error: {e.as_flags(FLAGS) if isinstance(e, ConfigError) else e}",
               file=sys.stderr)
@@ -253,17 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = launch(worker, args, mcfg, pcfg, os.dup(sys.stderr.fileno()), world_size=pcfg.world_size)
     except RankError as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        cause = next((ln for ln in reversed(lines) if "Error:" in ln), lines[-1] if lines else str(e))
-        print(f"minitron.train: error: {lines[0] if lines else ''} {cause.strip()}", file=sys.stderr)
+        print(f"minitron.train: error: {one_line(e)}", file=sys.stderr)
         return 1
-    if os.environ.get("RANK", "0") != "0":
-        return 0
-    metrics, sample = results[0]
-    if metrics:
-        plot(metrics, os.path.join(args.out, "loss.png"))
-        print(f"loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}; metrics in "
-              f"{args.out}/metrics.jsonl, curve in {args.out}/loss.png")
-    if sample:
-        print("sample:", sample)
+    try:
+        if os.environ.get("RANK", "0") == "0":
+            metrics, sample = results[0]
+            if metrics:
+                plot(read_metrics(args.out), os.path.join(args.out, "loss.png"))
+                print(f"loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}; metrics in "
+                      f"{args.out}/metrics.jsonl, curve in {args.out}/loss.png")
+            if sample:
+                print("sample:", sample)
+    finally:
+        end_of_run()        # under torchrun: every process waits here until rank 0 has written
     return 0

@@ -1,6 +1,6 @@
 """Text to batches: a byte-level tokenizer, a memory-mapped token file, a resumable loader.
 
-    tokens = prepare("data/corpus.txt", "runs/corpus.bin")   # once: bytes -> uint8 token file
+    tokens = prepare("data/corpus.txt", "runs/corpus.bin")   # bytes -> uint8 token file (cached)
     train, val = split(tokens, held_out=0.1)                 # the last 10% is never trained on
     loader = Loader(train, batch=16, seq=64, seed=0)
     tokens, targets = loader.batch(step)                      # the global batch of that step
@@ -17,6 +17,8 @@ checkpoint stores is the step.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 
@@ -34,17 +36,73 @@ def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def prepare(text_path: str, token_path: str) -> np.memmap:
-    """Write `text_path`'s bytes as a token file (unless it is already there and newer); map it."""
+def prepare(text_path: str, token_path: str, seq: int | None = None) -> np.memmap:
+    """Write `text_path`'s bytes as a token file (unless it already holds exactly them); map it.
+
+    The token file is a cache keyed by its source: `token_path`.source.json records the text's
+    path, size and sha256, and the file is reused only when all three match (a date says
+    nothing: a copied or restored text can be older than a stale cache). Both are written to a
+    temporary name and renamed, the key last and removed first, so a run killed midway leaves
+    no key, and the next run rebuilds. With `seq`, a text too short to give each split one
+    sequence (and its next-token targets) is refused, naming the file, before anything is written.
+    """
     if not os.path.isfile(text_path):
         raise ValueError(f"corpus {text_path} does not exist: pass --corpus PATH to a text file")
-    if not os.path.exists(token_path) or os.path.getmtime(token_path) < os.path.getmtime(text_path):
+    size = os.path.getsize(text_path)
+    check_long_enough(text_path, size, seq)
+    key = {"source": os.path.abspath(text_path), "bytes": size, "sha256": _sha256(text_path)}
+    key_path = token_path + ".source.json"
+    if not (_read_key(key_path) == key and os.path.isfile(token_path)
+            and os.path.getsize(token_path) == size):
+        if os.path.exists(key_path):
+            os.remove(key_path)
         with open(text_path, "rb") as f:
-            data = np.frombuffer(f.read(), dtype=np.uint8)
-        tmp = f"{token_path}.{os.getpid()}.tmp"
-        data.tofile(tmp)
-        os.replace(tmp, token_path)           # other ranks never see half a file
+            data = f.read()
+        key.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())  # what was written
+        _write_atomically(token_path, data)          # other ranks never see half a file
+        _write_atomically(key_path, json.dumps(key).encode())
     return np.memmap(token_path, dtype=np.uint8, mode="r")
+
+
+def check_long_enough(text_path: str, n_tokens: int, seq: int | None, held_out: float = 0.1) -> None:
+    """ValueError naming the file unless both splits hold one sequence and its targets."""
+    if n_tokens == 0:
+        raise ValueError(f"corpus {text_path} is empty: pass --corpus PATH to a text file")
+    if seq is None:
+        return
+    train, val = (len(part) for part in split(range(n_tokens), held_out))
+    if min(train, val) >= seq + 2:
+        return
+    need = next(n for n in range(n_tokens, 100 * (seq + 2))
+                if min(len(part) for part in split(range(n), held_out)) >= seq + 2)
+    shorter = f" or --seq {min(train, val) - 2}" if min(train, val) > 2 else ""
+    raise ValueError(f"corpus {text_path} has {n_tokens} bytes: the training text ({train}) and "
+                     f"the held-out text ({val}) each need one sequence of --seq {seq} and its "
+                     f"next-token targets ({seq + 2} bytes); use a corpus of at least {need} "
+                     f"bytes{shorter}")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_key(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_atomically(path: str, payload: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, path)
 
 
 def split(tokens: np.ndarray, held_out: float = 0.1) -> tuple[np.ndarray, np.ndarray]:

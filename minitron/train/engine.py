@@ -24,6 +24,8 @@ on them, so the update is checked on its own.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..context_parallel import shard_sequence
@@ -31,7 +33,7 @@ from ..data_parallel import DEFAULT_BUCKET_NUMEL, gathered_grads, gathered_param
 from ..data_parallel.optim import FusedAdamW
 from ..data_parallel.precision import LossScaler, optimizer_step
 from ..grid import ParallelConfig, build_grid
-from ..model.config import ConfigError, ModelConfig
+from ..model.config import ConfigError, ModelConfig, check_number
 from ..model.convert import grads_state_dict
 from ..moe.layer import check_moe_grid
 from ..moe.router import imbalance
@@ -157,6 +159,10 @@ class TrainingRun:
                  reference=None, hooks: StepHooks = NO_HOOKS):
         self.schedule = resolve_schedule(pcfg, schedule, microbatches)
         check_supported(pcfg, mcfg, dtype, zero_stage, self.schedule)
+        check_number("lr", lr, "the learning rate", 1e-3)
+        check_number("weight_decay", weight_decay, "the weight decay", 0.0, allow_minimum=True)
+        if max_norm is not None:
+            check_number("max_norm", max_norm, "the clipping norm (None: no clipping)", 1.0)
         self.grid = grid = build_grid(pcfg)
         self.cfg, self.hooks, self.max_norm = mcfg, hooks, max_norm
         self.microbatches = 1 if self.schedule is not None else (microbatches or 1)
@@ -198,10 +204,19 @@ class TrainingRun:
         return out
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, step: int) -> float:
-        """Forward, backward and update on the global batch; returns its mean loss (every rank)."""
-        loss = self.forward_backward(tokens, targets, step).loss
+        """Forward, backward and update on the global batch; returns its mean loss (every rank).
+
+        A non-finite loss stops the run (FloatingPointError on every rank: they all hold the
+        same value) before the update, so the weights stay as they were. Gradients that overflow
+        in float16 are the loss scaler's to skip; a loss that is itself NaN or inf it cannot
+        repair."""
+        loss = float(self.forward_backward(tokens, targets, step).loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"step {step + 1}: the loss is {loss}: the run diverged (the "
+                                     "weights are left as they were before it); lower the "
+                                     "learning rate, or resume from an earlier checkpoint")
         self.last_update = self.optimizer_step()
-        return float(loss)
+        return loss
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next optimizer steps (a schedule sets it every step)."""
