@@ -107,10 +107,10 @@ def test_command_line_on_a_tiny_course(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert not any("torch" in line for line in lines), lines
     assert lines[-4:] == [
-        f"{right}: PASS (2 checked cells reproduce the reference)",
+        f"{right}: PASS (1 checked cells reproduce the reference)",
         f"{missing}: FAIL at your answer cell under 'Part 1 · `double`': it raised NotImplementedError: "
         "your notebook has no answer cell answer: nothing to grade (1 later cell fails too)",
-        f"{wrong}: FAIL at Check 1: doubling, run where the learner's notebook is (check_double): "
+        f"{wrong}: FAIL at Check 1: doubling, run where the learner's notebook is: "
         "your double raised IndexError: list index out of range",
         f"{broken}: FAIL: could not read it as a notebook (Expecting property name enclosed in double "
         "quotes: line 1 column 3 (char 2))"], result.stdout
@@ -138,13 +138,13 @@ def test_a_kernel_that_died_starting_is_graded_again(tmp_path, monkeypatch):
     right = _learner(tmp_path / "right", "def double(v):\n    return v + v\n")
     calls = []
 
-    def fake_nbval(jobs, workdir, cell_timeout):
-        calls.append(list(jobs))
-        (target,) = jobs
-        cells = range(code_cells(json.loads(target.read_text())))
+    def fake_nbval(jobs, cell_timeout):
+        calls.append([job.folder for job in jobs])
+        (job,) = jobs
+        cells = range(code_cells(job.merged))
         died = {"outcome": "failed", "message": "Kernel died before replying to kernel_info"}
         record = died if len(calls) == 1 else {"outcome": "passed"}
-        return {str(target.resolve()): {str(n): record for n in cells}}, ""
+        return [{str(n): record for n in cells}], ""
 
     monkeypatch.setattr(grader, "_run_nbval", fake_nbval)
     (g,) = grader.grade([right], solutions=tmp_path / "solutions", show=lambda line: None)
