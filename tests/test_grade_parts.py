@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 from minitron import grade as grader
+from minitron import grade_report as report
 from notebook_files import cleared, save
 from minitron.grade_report import code_cells, root_exception
 
@@ -168,3 +170,40 @@ def test_nbval_process_is_spared_torch_and_the_iri_grammar():
                            str(ROOT / "solutions" / "07_mixed_precision.ipynb")],
                           cwd=ROOT / "tests", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# --- names and counts of the real exercises' cells (issue 20 §5) -----------------------------
+
+def _solution(name: str) -> dict:
+    return json.loads(next((ROOT / "solutions").glob(name + "_*.ipynb")).read_text())
+
+
+@pytest.mark.parametrize("number", [f"{n:02d}" for n in range(12)])
+def test_checks_are_named_by_what_they_check(number):
+    nb = _solution(number)
+    names = report.cell_names(nb)
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    for cell, name in zip(code, names):
+        assert not re.search(r"\((check\w*|counted|block|scores|saved_bytes)\)", name), name
+        if cell.get("outputs") and not report.is_answer_cell(cell) and name.startswith("Check"):
+            assert re.fullmatch(r"Check \w+: .{8,}", name), name  # a bare "Check 1" says what it checks
+    assert report.checked_cells(nb) == sum(bool(c.get("outputs")) and not report.is_answer_cell(c)
+                                           and "NBVAL_IGNORE_OUTPUT" not in grader.source(c) for c in code)
+
+
+def test_a_cell_below_a_check_is_not_named_after_it():
+    names = report.cell_names(_solution("06"))
+    assert names[3] == "the cell under 'At Megatron's scale'", names
+    assert names[2] == "Check 1: counted on two real ranks", names
+    assert report.checked_cells(_solution("05")) == 3  # its set-up and build() cells print nothing
+
+
+def test_learner_names_are_what_the_answer_cells_define():
+    assert report.learner_names(_solution("04")) == ["bubble_fraction", "one_f_one_b_rank"]
+    assert report.learner_names(_solution("10")) == ["rmsnorm_bwd_dx", "rmsnorm_bwd_dw", "attention_by_key_blocks"]
+
+
+def test_exercise_09_says_what_its_stub_is():
+    text = "".join(grader.source(c) for c in _solution("09")["cells"] if c["cell_type"] == "markdown")
+    assert "between the lines that raise" not in text
+    assert 'replaces the line `raise NotImplementedError("your code here")`' in text

@@ -109,20 +109,17 @@ def test_a_dead_kernel_is_said_at_once(course):
     assert "ran out of time" not in exits + crash
 
 
-KILLER = (  # writes a record saying every cell passed wherever it can look, then kills nbval's pytest
+KILLER = (  # issue 20 §1: a record saying every cell of every notebook passed, then nbval's pytest killed
     "import json, os, signal\n"
-    "fake = {}\n"
-    "for n in range(100):\n"
-    "    fake[str(n)] = {'outcome': 'passed'}\n"
     "parent = f'/proc/{os.getppid()}'\n"
-    "places = [os.environ.get('MINITRON_GRADE_RECORD'), os.path.join(os.readlink(parent + '/cwd'), 'record.json')]\n"
-    "for root, dirs, files in os.walk(os.readlink(parent + '/cwd')):\n"
-    "    places += [os.path.join(root, f) for f in files if f.endswith('.json')]\n"
+    "cwd = os.readlink(parent + '/cwd')\n"
+    "graded = [os.path.join(r, f) for r, _, files in os.walk(cwd) for f in files if f.endswith('.ipynb')]\n"
+    "fake = {os.path.realpath(p): {str(n): {'outcome': 'passed'} for n in range(100)} for p in graded}\n"
+    "places = [os.environ.get('MINITRON_GRADE_RECORD'), os.path.join(cwd, 'record.json')]\n"
+    "places += [os.path.join(r, f) for r, _, files in os.walk(cwd) for f in files if f.endswith('.json')]\n"
     "for place in filter(None, places):\n"
-    "    try:\n"
-    "        json.dump({}, open(place, 'w'))\n"
-    "    except OSError:\n"
-    "        pass\n"
+    "    with open(place, 'w') as f:\n"
+    "        json.dump(fake, f)\n"
     "os.kill(os.getppid(), signal.SIGKILL)\n"
     "def double(v):\n    return 2 * v\n")
 
