@@ -195,16 +195,18 @@ def _run_nbval(jobs: list[Job], cell_timeout: int) -> tuple[list[dict], str]:
                f"--minitron-config-fd={read}", "-p", "no:cacheprovider", "-q",
                f"--nbval-cell-timeout={cell_timeout}", *map(str, targets)]
         try:
-            done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
-                                  pass_fds=(read,))
+            done = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, pass_fds=(read,))
         finally:
-            os.close(read)
-        output = done.stdout + done.stderr
+            os.close(read)  # pytest holds the only copy, and reads it before any kernel starts
+        output = done.communicate()[0]
+        if done.returncode in (3, 4, 5):  # pytest's internal error, usage error, nothing collected
+            raise RuntimeError("nbval did not run (is it installed? `make setup` installs it):\n"
+                               + output[-3000:])
         if done.returncode not in (0, 1):
             raise RunFailed(f"the run ended with status {done.returncode}", output)
         if not record.exists():
-            raise RuntimeError("nbval did not run (is it installed? `make setup` installs it):\n"
-                               + output[-3000:])
+            raise RunFailed("it left no record", output)
         mac, _, body = record.read_text().partition("\n")
         if not hmac.compare_digest(mac, hmac.new(key, body.encode(), hashlib.sha256).hexdigest()):
             raise RunFailed("its record is not the one the grader's plugin signed", output)

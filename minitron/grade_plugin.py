@@ -106,11 +106,11 @@ def _kernel_guard(token: str, learner_names: list[str]) -> None:
     mgr = shell.input_transformer_manager
     pinned = [(o, n, getattr(o, n)) for o, names in (
         (_sys, ("stdout", "stderr", "displayhook", "excepthook")),
-        (shell, ("input_transformers_cleanup", "input_transformers_post", "input_transformer_manager",
-                 "ast_transformers", "displayhook", "display_pub", "display_trap", "showtraceback",
+        (shell, ("input_transformers_post", "input_transformer_manager", "ast_transformers", "displayhook", "display_pub", "display_trap", "showtraceback",
                  "_showtraceback", "showsyntaxerror", "showindentationerror", "transform_ast",
                  "run_ast_nodes", "run_code", "compile", "ast_node_interactivity", "events")),
         (shell.display_trap, ("hook",)),
+        (mgr, ("cleanup_transforms", "line_transforms", "token_transformers")),
         (type(_sys.stdout), ("write", "flush", "writelines")),
         (type(shell), ("run_ast_nodes", "run_code", "transform_ast", "showtraceback", "_showtraceback")),
     ) for n in names if hasattr(o, n)]
@@ -126,12 +126,15 @@ def _kernel_guard(token: str, learner_names: list[str]) -> None:
         for key, value in pristine.items():
             if bdict.get(key, restore) is not value:
                 bdict[key] = value
+        for lst, items in lists:
+            lst[:] = items
         for obj, name, value in pinned:
             now = getattr(obj, name, None)
             if now is not value and not (_inspect.ismethod(now) and now == value):
-                setattr(obj, name, value)
-        for lst, items in lists:
-            lst[:] = items
+                try:
+                    setattr(obj, name, value)
+                except (AttributeError, TypeError):  # a read-only property: its list is restored
+                    pass
 
     def leave_check():
         before = state["before"]

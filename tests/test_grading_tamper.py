@@ -33,6 +33,10 @@ TAMPER = {  # name -> an answer cell: a wrong double plus one way to tamper
                                  '    lambda lines: ["print(\'42 True\')\\n"] if "check_double" in "".join(lines) else lines)\n',
     "cleanup_transformer": WRONG + 'get_ipython().input_transformers_cleanup.insert(0,\n'
                                    '    lambda lines: ["print(\'42 True\')\\n"] if "check_double" in "".join(lines) else lines)\n',
+    "transformers_rebound": WRONG + 'ip = get_ipython()\n'
+                                    'ip.input_transformers_post = [\n'
+                                    '    lambda lines: ["print(\'42 True\')\\n"] if "check_double" in "".join(lines) else lines]\n'
+                                    'ip.input_transformer_manager.cleanup_transforms = list(ip.input_transformers_cleanup)\n',
     "ast_transformer": WRONG + 'import ast\nclass T(ast.NodeTransformer):\n'
                                '    def visit_Module(self, node):\n'
                                '        if "check_double" in ast.dump(node):\n'
