@@ -24,8 +24,9 @@ What an answer cell does cannot change the verdict on a right or a wrong answer:
     on a command line); a run that did not end so is repeated one notebook per run, so that
     one notebook cannot decide another's verdict;
   * a kernel that dies (os._exit, a crash) fails at once, naming the cell it died in.
-Not defended: an answer that patches the installed packages (torch, minitron, nbval) or goes
-looking for the grader's objects inside the kernel; that is visible in the answer itself.
+Not defended: an answer that patches the installed packages (torch, minitron, nbval), or whose
+functions, while a check calls them, patch sys.stdout or go looking for the grader's objects
+inside the kernel; that is deliberate, and visible in the answer itself.
 """
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def _kernel_guard(token: str, learner_names: list[str]) -> None:
     grader = types.ModuleType("__main__")
     grader_ns = grader.__dict__
     grader_ns.update({k: user_ns[k] for k in shell.user_ns_hidden if k in user_ns})
-    grader_ns.update(__name__="__main__", __builtins__=builtins)
+    grader_ns.update(__name__="__main__", __builtins__=builtins, print=builtins.print)  # as the kernel started
 
     def _fallback(name):  # pickle finds a learner's class through sys.modules["__main__"]
         try:
