@@ -232,11 +232,27 @@ def _run_each_alone(jobs: list[Job], cell_timeout: int) -> tuple[list[dict | str
     return results, "\n".join(outputs)
 
 
+def _record(todo: list[tuple[Grade, Job]], cell_timeout: int, show, verbose: bool) -> None:
+    """Run these notebooks and set each one's grade from its record."""
+    results, output = _run_each_alone([job for _, job in todo], cell_timeout)
+    if verbose:
+        show(output)
+    for (g, job), cells in zip(todo, results):
+        g.error, g.failures = "", []
+        if isinstance(cells, str):
+            g.error = (f"its grading did not finish ({cells}): a cell of this notebook stopped "
+                       "the grader's own process")
+            continue
+        g.failures = report.failures(job.merged, cells)
+        if not g.failures and len(cells) < report.code_cells(job.merged):
+            g.error = "not every cell ran (nbval's output follows):\n" + output[-2000:]
+
+
 def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 600,
           show=print, verbose: bool = False) -> list[Grade]:
     """Grade each learner notebook; show() gets the notes, details and one summary line each."""
     solutions = solutions or COURSE / "solutions"
-    grades, jobs, references = [], {}, {}
+    grades, jobs, references = [], [], {}
     for path in paths:
         g = Grade(path)
         grades.append(g)
@@ -251,33 +267,20 @@ def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 
             g.error = f"could not read it as a notebook ({e})"
             continue
         g.checked = report.checked_cells(merged)
-        jobs[id(g)] = (g, Job(merged, path.resolve().parent, ref_path.name, report.learner_names(reference)))
+        jobs.append((g, Job(merged, path.resolve().parent, ref_path.name, report.learner_names(reference))))
     line = torch_line(references)
     if line:
         show(line)
     if jobs:
-        show(f"grading {', '.join(str(g.path) for g, _ in jobs.values())} "
-             "(every cell runs: this takes a while)")
-        todo = list(jobs.values())
-        for attempt in range(2):
-            results, output = _run_each_alone([job for _, job in todo], cell_timeout)
-            if verbose:
-                show(output)
-            for (g, job), cells in zip(todo, results):
-                g.error, g.failures = "", []
-                if isinstance(cells, str):
-                    g.error = (f"its grading did not finish ({cells}): a cell of this notebook stopped "
-                               "the grader's own process")
-                    continue
-                g.failures = report.failures(job.merged, cells)
-                if not g.failures and len(cells) < report.code_cells(job.merged):
-                    g.error = "not every cell ran (nbval's output follows):\n" + output[-2000:]
-            # A kernel that died starting up (two kernels that picked the same free port,
-            # say) says nothing about the answers: grade those notebooks once more.
-            todo = [(g, job) for g, job in todo
-                    if any(KERNEL_START_FAILED in x.message for x in g.failures)]
-            if not todo:
-                break
+        show(f"grading {', '.join(str(g.path) for g, _ in jobs)} (every cell runs: this takes a while)")
+        _record(jobs, cell_timeout, show, verbose)
+        # A kernel that died starting up (two kernels that picked the same free port, say)
+        # says nothing about the answers; nor, beside other notebooks, does one that died later
+        # (another notebook's cell may have killed it): grade those once more, each alone.
+        for g, job in jobs:
+            if any(KERNEL_START_FAILED in x.message for x in g.failures) or (
+                    len(jobs) > 1 and g.failures and g.failures[0].died):
+                _record([(g, job)], cell_timeout, show, verbose)
     for g in grades:
         for line in g.notes + [d for f in g.failures[:1] for d in f.details()]:
             show(f"{g.path}: {line}")

@@ -217,6 +217,7 @@ class Failure:
     expected: str = ""   # first differing output line: the reference's
     got: str = ""        # and the learner's
     line: int = 0
+    died: bool = False   # the kernel's process ended during this cell
 
     @property
     def stub(self) -> bool:
@@ -260,7 +261,7 @@ def failures(merged: dict, records: dict) -> list[Failure]:
                     else "the Python process ended while it ran: something it called ended it")
             code = re.search(r"\(exit status -?\d+\)", r.get("message", ""))
             what += f" {code.group(0)}" if code else ""
-            found.append(Failure(int(number), where, "other", message=what))
+            found.append(Failure(int(number), where, "other", message=what, died=True))
             break  # every later cell fails on the dead kernel: nothing more to say
         if r.get("message", "").startswith("Timeout"):
             found.append(Failure(int(number), where, "other", message=f"it ran out of time ({r['message']})"))

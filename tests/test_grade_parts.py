@@ -159,6 +159,24 @@ def test_a_kernel_that_died_starting_is_graded_again(tmp_path, monkeypatch):
     assert len(calls) == 1 and not g.passed and "Kernel died" in g.summary, g.summary
 
 
+def test_a_kernel_that_died_beside_others_is_graded_again_alone(tmp_path, monkeypatch):
+    # Another notebook's cell may have killed it: its own run alone decides (issue 20 §1).
+    save(DEMO, tmp_path / "solutions" / "07_demo.ipynb")
+    first, second = (_learner(tmp_path / k, "def double(v):\n    return v + v\n") for k in ("a", "b"))
+    calls = []
+
+    def fake_nbval(jobs, cell_timeout):
+        calls.append([job.folder for job in jobs])
+        died = {"0": {"outcome": "passed"}, "1": {"outcome": "failed", "died": True, "message": "KernelDied"}}
+        cells = {str(n): {"outcome": "passed"} for n in range(code_cells(jobs[0].merged))}
+        return [died if len(calls) == 1 and k == 0 else cells for k in range(len(jobs))], ""
+
+    monkeypatch.setattr(grader, "_run_nbval", fake_nbval)
+    g_first, g_second = grader.grade([first, second], solutions=tmp_path / "solutions", show=lambda line: None)
+    assert calls == [[first.parent, second.parent], [first.parent]], calls
+    assert g_first.passed and g_second.passed, (g_first.summary, g_second.summary)
+
+
 def test_nbval_process_is_spared_torch_and_the_iri_grammar():
     # grade.py has nbval's process import the plugin by its file: not the minitron package
     # (torch), and without the IRI grammar jsonschema compiles at import; seconds per grading.
