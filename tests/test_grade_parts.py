@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 from minitron.grade import cli as grader
+from minitron.grade import report
 from notebook_files import cleared, save
 from minitron.grade.report import code_cells, root_exception
 
@@ -107,10 +109,10 @@ def test_command_line_on_a_tiny_course(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert not any("torch" in line for line in lines), lines
     assert lines[-4:] == [
-        f"{right}: PASS (2 checked cells reproduce the reference)",
+        f"{right}: PASS (1 checked cells reproduce the reference)",
         f"{missing}: FAIL at your answer cell under 'Part 1 · `double`': it raised NotImplementedError: "
         "your notebook has no answer cell answer: nothing to grade (1 later cell fails too)",
-        f"{wrong}: FAIL at Check 1: doubling, run where the learner's notebook is (check_double): "
+        f"{wrong}: FAIL at Check 1: doubling, run where the learner's notebook is: "
         "your double raised IndexError: list index out of range",
         f"{broken}: FAIL: could not read it as a notebook (Expecting property name enclosed in double "
         "quotes: line 1 column 3 (char 2))"], result.stdout
@@ -138,13 +140,13 @@ def test_a_kernel_that_died_starting_is_graded_again(tmp_path, monkeypatch):
     right = _learner(tmp_path / "right", "def double(v):\n    return v + v\n")
     calls = []
 
-    def fake_nbval(jobs, workdir, cell_timeout):
-        calls.append(list(jobs))
-        (target,) = jobs
-        cells = range(code_cells(json.loads(target.read_text())))
+    def fake_nbval(jobs, cell_timeout):
+        calls.append([job.folder for job in jobs])
+        (job,) = jobs
+        cells = range(code_cells(job.merged))
         died = {"outcome": "failed", "message": "Kernel died before replying to kernel_info"}
         record = died if len(calls) == 1 else {"outcome": "passed"}
-        return {str(target.resolve()): {str(n): record for n in cells}}, ""
+        return [{str(n): record for n in cells}], ""
 
     monkeypatch.setattr(grader, "_run_nbval", fake_nbval)
     (g,) = grader.grade([right], solutions=tmp_path / "solutions", show=lambda line: None)
@@ -157,8 +159,26 @@ def test_a_kernel_that_died_starting_is_graded_again(tmp_path, monkeypatch):
     assert len(calls) == 1 and not g.passed and "Kernel died" in g.summary, g.summary
 
 
+def test_a_kernel_that_died_beside_others_is_graded_again_alone(tmp_path, monkeypatch):
+    # Another notebook's cell may have killed it: its own run alone decides (issue 20 §1).
+    save(DEMO, tmp_path / "solutions" / "07_demo.ipynb")
+    first, second = (_learner(tmp_path / k, "def double(v):\n    return v + v\n") for k in ("a", "b"))
+    calls = []
+
+    def fake_nbval(jobs, cell_timeout):
+        calls.append([job.folder for job in jobs])
+        died = {"0": {"outcome": "passed"}, "1": {"outcome": "failed", "died": True, "message": "KernelDied"}}
+        cells = {str(n): {"outcome": "passed"} for n in range(code_cells(jobs[0].merged))}
+        return [died if len(calls) == 1 and k == 0 else cells for k in range(len(jobs))], ""
+
+    monkeypatch.setattr(grader, "_run_nbval", fake_nbval)
+    g_first, g_second = grader.grade([first, second], solutions=tmp_path / "solutions", show=lambda line: None)
+    assert calls == [[first.parent, second.parent], [first.parent]], calls
+    assert g_first.passed and g_second.passed, (g_first.summary, g_second.summary)
+
+
 def test_nbval_process_is_spared_torch_and_the_iri_grammar():
-    # grade.py has nbval's process import the plugin by its file: not the minitron package
+    # grade/cli.py has nbval's process import the plugin by its file: not the minitron package
     # (torch), and without the IRI grammar jsonschema compiles at import; seconds per grading.
     # nbformat must still read and validate notebooks there.
     code = ("import runpy, sys; runpy.run_path(sys.argv[1]); import nbformat, nbval.plugin; "
@@ -168,3 +188,40 @@ def test_nbval_process_is_spared_torch_and_the_iri_grammar():
                            str(ROOT / "solutions" / "07_mixed_precision.ipynb")],
                           cwd=ROOT / "tests", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# --- names and counts of the real exercises' cells (issue 20 §5) -----------------------------
+
+def _solution(name: str) -> dict:
+    return json.loads(next((ROOT / "solutions").glob(name + "_*.ipynb")).read_text())
+
+
+@pytest.mark.parametrize("number", [f"{n:02d}" for n in range(12)])
+def test_checks_are_named_by_what_they_check(number):
+    nb = _solution(number)
+    names = report.cell_names(nb)
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    for cell, name in zip(code, names):
+        assert not re.search(r"\((check\w*|counted|block|scores|saved_bytes)\)", name), name
+        if cell.get("outputs") and not report.is_answer_cell(cell) and name.startswith("Check"):
+            assert re.fullmatch(r"Check \w+: .{8,}", name), name  # a bare "Check 1" says what it checks
+    assert report.checked_cells(nb) == sum(bool(c.get("outputs")) and not report.is_answer_cell(c)
+                                           and "NBVAL_IGNORE_OUTPUT" not in grader.source(c) for c in code)
+
+
+def test_a_cell_below_a_check_is_not_named_after_it():
+    names = report.cell_names(_solution("06"))
+    assert names[3] == "the cell under 'At Megatron's scale'", names
+    assert names[2] == "Check 1: counted on two real ranks", names
+    assert report.checked_cells(_solution("05")) == 3  # its set-up and build() cells print nothing
+
+
+def test_learner_names_are_what_the_answer_cells_define():
+    assert report.learner_names(_solution("04")) == ["bubble_fraction", "one_f_one_b_rank"]
+    assert report.learner_names(_solution("10")) == ["rmsnorm_bwd_dx", "rmsnorm_bwd_dw", "attention_by_key_blocks"]
+
+
+def test_exercise_09_says_what_its_stub_is():
+    text = "".join(grader.source(c) for c in _solution("09")["cells"] if c["cell_type"] == "markdown")
+    assert "between the lines that raise" not in text
+    assert 'replaces the line `raise NotImplementedError("your code here")`' in text

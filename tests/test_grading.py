@@ -11,7 +11,10 @@ For every exercise, three learner notebooks are graded:
             the graded copy being the same with them cleared, is shown for every exercise.)
   solved    the solution's answers, outputs cleared, and one check cell edited so that it
             would raise if it ran;
-  unsolved  the exercise as shipped, outputs cleared.
+  unsolved  the exercise as shipped, outputs cleared, with an IPython input transformer installed
+            by its first answer cell that replaces every later check cell with a print of the
+            reference's stored output (issue 20 §2): the checks must run all the same, and fail
+            on the stub.
 against a copy of the solutions whose torch stamp is a version no one has. Solving an exercise
 reproduces its solution notebook exactly, so `solved` passing is also the solution's own nbval run.
 All of them are graded in two runs of the grader side by side (a run starts nbval once; a
@@ -72,6 +75,34 @@ def first_check_cell(solution: dict) -> dict:
     return next(c for c in code[first_answer:] if not grader.is_answer_cell(c))
 
 
+REPLAY = """
+# Replace each check cell, before IPython compiles it, by a print of its stored output.
+_STORED = {stored!r}
+
+
+def _replay(lines):
+    text = "".join(lines)
+    for check, output in _STORED.items():
+        if check.strip() and check.strip() in text:
+            return [f"print({{output!r}}, end='')\\n"]
+    return lines
+
+
+get_ipython().input_transformers_cleanup.append(_replay)
+"""
+
+
+def with_replayed_checks(nb: dict, solution: dict) -> dict:
+    """A copy whose first answer cell also installs a transformer printing the stored outputs."""
+    stored = {grader.source(c): "".join("".join(o.get("text", "")) for o in c.get("outputs", [])
+                                        if o.get("output_type") == "stream")
+              for c in code_cells(solution) if not grader.is_answer_cell(c) and c.get("outputs")}
+    nb = copy.deepcopy(nb)
+    first = next(c for c in nb["cells"] if c.get("id") in answer_ids(solution))
+    first["source"] = grader.source(first) + REPLAY.format(stored=stored)
+    return nb
+
+
 def run_and_save(nb: dict, path: pathlib.Path) -> pathlib.Path:
     """Execute top to bottom, errors allowed, and save with the outputs: a learner's Ctrl-S."""
     node = nbformat.reads(json.dumps(nb), as_version=4)  # joins the sources split in lines
@@ -110,7 +141,7 @@ def _prepare(name: str, tmp: pathlib.Path) -> dict:
     return dict(solution=solution, planted=wrong, edited=edited["id"], files={
         "planted": planted_path,
         "solved": save(solved, tmp / "solved" / name),
-        "unsolved": save(cleared(exercise), tmp / "unsolved" / name)},
+        "unsolved": save(with_replayed_checks(cleared(exercise), solution), tmp / "unsolved" / name)},
         to_run=planted_nb if name == EXECUTED else None)
 
 

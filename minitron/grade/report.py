@@ -1,9 +1,9 @@
 """Turn nbval's per-cell record into what a learner can act on (used by minitron.grade).
 
-Each failing code cell gets a name in words (the markdown heading above it and the function
-it defines, e.g. "Check 1 (check_ring_all_reduce)") and a reason: which exception, raised in
-which function, unwrapped from a rank's traceback or a Triton interpreter error; or the first
-output line that differs from the reference.
+Each failing code cell gets a name in words (the markdown heading above it, e.g. "Check 2:
+against `FlatLayout` on a GPT and by hand", see cell_names) and a reason: which exception,
+raised in which function, unwrapped from a rank's traceback or a Triton interpreter error; the
+first output line that differs from the reference; or that the kernel's process ended.
 """
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from typing import NamedTuple
 
 STUB_MESSAGE = "your code here"
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
-_DEF = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)", re.M)
-_CALLED_CHECK = re.compile(r"\b(check\w*)\s*\(")
 _NEW_TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 _FRAME = re.compile(  # a frame's header, as Python, IPython (a cell) and IPython (a file) print it
     r'^\s*(?:File "[^"]*", line (\d+)|Cell In\[\d+\], line (\d+)|File \S+:(\d+)), in ([\w<>.]+)', re.M)
@@ -46,34 +44,83 @@ def code_cells(nb: dict) -> int:
     return sum(c["cell_type"] == "code" for c in nb["cells"])
 
 
+def learner_names(reference: dict) -> list[str]:
+    """What the exercise asks the learner to write: the names its answer cells bind at their
+    top level (the functions and classes holding `# BEGIN SOLUTION`), the only names of the
+    learner's that a check cell sees."""
+    names = []
+    for cell in reference["cells"]:
+        if not is_answer_cell(cell):
+            continue
+        for node in ast.parse(source(cell)).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names += [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    return list(dict.fromkeys(names))
+
+
 def checked_cells(nb: dict) -> int:
-    """Cells whose stored output the grading compares: the reference's non-answer cells."""
+    """Cells whose stored output the grading compares: the reference's non-answer cells that
+    print something (a set-up cell that prints nothing checks nothing)."""
     return sum(c["cell_type"] == "code" and not _is_answer(c) and c.get("execution_count") is not None
-               and "NBVAL_IGNORE_OUTPUT" not in source(c) and "NBVAL_SKIP" not in source(c)
+               and bool(c.get("outputs")) and "NBVAL_IGNORE_OUTPUT" not in source(c)
+               and "NBVAL_SKIP" not in source(c) and "nbval-ignore-output" not in
+               c.get("metadata", {}).get("tags", [])
                for c in nb["cells"])
 
 
+_MATH = re.compile(r"\$+([^$]*)\$+")
+
+
+def _clause(text: str, width: int = 70) -> str:
+    """The first clause of a paragraph, as plain words: what a cell below it does."""
+    text = _MATH.sub(lambda m: m.group(1).replace("\\", ""), text)
+    text = " ".join(text.replace("`", "").replace("**", "").replace("*", "").split())
+    text = re.split(r"[:;(]|\.(?:\s|$)", text, maxsplit=1)[0].strip(" ,")
+    if len(text) > width:
+        cut = text.rfind(",", 0, width)
+        text = text[:cut] if cut > 20 else text[: width - 3] + "..."
+    return text
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", text)
+            if p.strip() and not all(_HEADING.match(line) for line in p.strip().splitlines())]
+
+
 def cell_names(nb: dict) -> list[str]:
-    """A name in words for each code cell, in order (nbval's "Cell N" is the N-th code cell)."""
-    names, heading, part = [], "", "the notebook's start"
+    """A name in words for each code cell, in order (nbval's "Cell N" is the N-th code cell).
+
+    A check is named by the heading above it ("Check 2: against FlatLayout..."); a bare
+    "Check 1" gets the first clause of the text below it; a cell whose text above has no
+    heading, by that text's last sentence ("the cell under 'At Megatron's scale'")."""
+    names, heading, part, above = [], "", "the notebook's start", None
     for cell in nb["cells"]:
         text = source(cell)
         if cell["cell_type"] == "markdown":
             found = [m.group(1) for m in map(_HEADING.match, text.splitlines()) if m]
             if found:
-                heading = found[-1]
-                part = heading
+                heading = part = found[-1]
+                above = ("heading", heading, _paragraphs(text))
+            else:
+                above = ("text", heading, _paragraphs(text))
             continue
         if cell["cell_type"] != "code":
             continue
+        kind, under, paragraphs = above or ("code", heading, [])
+        above = None
         if _is_answer(cell):
             names.append(f"your answer cell under '{part}'")
-            continue
-        defined = _DEF.findall(text)
-        checks = [n for n in defined if n.startswith("check")] or _CALLED_CHECK.findall(text) or defined
-        what = f" ({checks[0]})" if checks else ""
-        names.append(f"{heading}{what}" if "check" in heading.lower()
-                     else f"the cell under '{heading or part}'{what}")
+        elif kind == "heading" and "check" in under.lower():
+            bare = re.fullmatch(r"check\s+\w+", under.strip(), re.I) and paragraphs
+            names.append(f"{under}: {_clause(paragraphs[0])}" if bare else under)
+        elif kind == "text" and paragraphs:
+            last = re.split(r"(?<=[.!?])\s+(?=[A-Z])", " ".join(paragraphs[-1].split()))[-1]
+            names.append(f"the cell under '{_clause(last)}'")
+        else:
+            names.append(f"the cell under '{heading or part}'")
     return names
 
 
@@ -170,6 +217,7 @@ class Failure:
     expected: str = ""   # first differing output line: the reference's
     got: str = ""        # and the learner's
     line: int = 0
+    died: bool = False   # the kernel's process ended during this cell
 
     @property
     def stub(self) -> bool:
@@ -208,6 +256,13 @@ def failures(merged: dict, records: dict) -> list[Failure]:
         if r["outcome"] != "failed":
             continue
         where = names[int(number)] if int(number) < len(names) else f"cell {number}"
+        if r.get("died"):
+            what = ("it ended the Python process" if where.startswith("your answer cell")
+                    else "the Python process ended while it ran: something it called ended it")
+            code = re.search(r"\(exit status -?\d+\)", r.get("message", ""))
+            what += f" {code.group(0)}" if code else ""
+            found.append(Failure(int(number), where, "other", message=what, died=True))
+            break  # every later cell fails on the dead kernel: nothing more to say
         if r.get("message", "").startswith("Timeout"):
             found.append(Failure(int(number), where, "other", message=f"it ran out of time ({r['message']})"))
         elif "ename" in r:

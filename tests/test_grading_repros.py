@@ -1,0 +1,184 @@
+"""Issue 20's repros on the real exercises, graded in one run of the grader.
+
+  tampered   a wrong answer plus a name an answer cell rebinds so that, were the checks run in
+             the learner's namespace, the check would print the reference's verdicts: each must
+             fail at the check named (§2);
+  different  a right answer of another type or form than the reference's: each must pass (§3);
+  splits     exercise 08's split sizes that disagree with its counts (right on Check 1's data):
+             Check 2 says so in words, not with gloo's enforce message.
+(The input transformer that replays the stored outputs is planted in every exercise's unsolved
+notebook by test_grading.py; the tamperings of the kernel's machinery on the tiny course are in
+test_grading_tamper.py.)
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from minitron.grade import cli as grader
+from notebook_files import save
+from test_grading import ROOT, planted, with_answers
+
+PRINT_TRUE = '''import builtins
+def print(*args, **kwargs):        # the check's verdicts read True
+    line = " ".join(map(str, args))
+    line = line.replace("yours equal: False", "yours equal: True").replace("yours agree: False", "yours agree: True")
+    builtins.print("by hand: [2, 2, 1, 1, 0]" if line.startswith("by hand:") else line, **kwargs)
+
+
+'''
+
+TAMPERED = {  # name: (exercise, {answer cell id: source}, the check it must fail at)
+    "04_with_messages": ("04_pipeline_parallel.ipynb", {"e04c0008": '''def one_f_one_b_rank(pp, m, rank):
+    return []
+
+
+def with_messages(name, pp, m, virtual, placement, compute):   # the global the check calls
+    return make_schedule("1f1b", pp, m)
+'''}, "Check 2"),
+    "05_with_messages": ("05_zero_bubble.ipynb", {"s05c03": '''from minitron.pipeline import make_schedule
+
+
+def zb_h1_order(pp, m, rank):
+    return []
+
+
+def with_messages(name, pp, m, virtual, placement, compute):
+    return make_schedule("zb-h1", pp, m)
+'''}, "Check 1"),
+    "06_print": ("06_data_parallel_and_zero.ipynb", {"e06c000a": PRINT_TRUE + '''def bucket_of(sizes, bucket_numel):
+    index, bucket, filled = [0] * len(sizes), 0, 0
+    for i in range(len(sizes)):          # wrong: model order, not the layout's reverse order
+        index[i] = bucket
+        filled += sizes[i]
+        if bucket_numel is not None and filled >= bucket_numel:
+            bucket, filled = bucket + 1, 0
+    return index
+'''}, "Check 2"),
+    "07_print": ("07_mixed_precision.ipynb", {
+        k: PRINT_TRUE + v for k, v in planted("07_mixed_precision.ipynb").WRONG.items()}, "Check 1"),
+    "09_print": ("09_context_parallel.ipynb", {"1eede225": '''import builtins
+def print(*args, **kwargs):        # every line reads as the reference's
+    line = " ".join(map(str, args))
+    if line.startswith("cp="):
+        cp = int(line[3])
+        line = (f"cp={cp}: every chunk once: True   scores per rank: [{[1040, 0, 2064, 0, 0, 0, 4112][cp - 2]}]   "
+                "= s(s+1)/2/cp: True")
+    builtins.print(line, **kwargs)
+
+
+def balanced_chunks(cp, rank):
+    return (rank, rank + cp)       # wrong: the last ranks do the most work
+'''}, "Check 2"),
+    "10_rel_err": ("10_triton_kernels.ipynb", {
+        "b2d5eb57": None,  # filled below: the solution's kernels with dx's mean term left out
+        "1c5465b9": '''def attention_by_key_blocks(q, k, v, causal: bool, order, block_n: int):
+    "Never rescales its accumulator when the running max grows."
+    s, d = q.shape[-2], q.shape[-1]
+    qf = q.float() / math.sqrt(d)
+    m = torch.full(q.shape[:-1], -math.inf)
+    l = torch.zeros(q.shape[:-1])
+    acc = torch.zeros(q.shape, dtype=torch.float32)
+    rows = torch.arange(s)[:, None]
+    for blk in order:
+        lo, hi = blk * block_n, min((blk + 1) * block_n, k.shape[-2])
+        scores = qf @ k[..., lo:hi, :].float().transpose(-1, -2)
+        if causal:
+            scores = scores.masked_fill(torch.arange(lo, hi)[None, :] > rows, -math.inf)
+        m = torch.maximum(m, scores.amax(-1))
+        p = torch.exp(scores - torch.where(m == -math.inf, 0.0, m)[..., None])
+        l = l + p.sum(-1)
+        acc = acc + p @ v[..., lo:hi, :].float()
+    return (acc / l[..., None]).to(q.dtype), m + torch.log(l)
+'''}, "Check 1"),
+}
+
+DIFFERENT = {  # name: (exercise, {answer cell id: source}): right answers the checks must accept
+    "06_tuple": ("06_data_parallel_and_zero.ipynb", {"e06c000a": '''def bucket_of(sizes, bucket_numel):
+    index, bucket, filled = [0] * len(sizes), 0, 0
+    for i in reversed(range(len(sizes))):
+        index[i] = bucket
+        filled += sizes[i]
+        if bucket_numel is not None and filled >= bucket_numel:
+            bucket, filled = bucket + 1, 0
+    return tuple(index)
+'''}),
+    "08_lists": ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
+    flat, kept = experts.reshape(-1).tolist(), keep.reshape(-1).tolist()
+    return sorted((j for j in range(len(flat)) if kept[j]), key=lambda j: flat[j])   # a list of ints
+
+
+def split_sizes(pair_experts, n_experts, ep):
+    counts = [int((pair_experts == e).sum()) for e in range(n_experts)]             # a list of ints
+    per_rank = n_experts // ep
+    return counts, tuple(sum(counts[j * per_rank:(j + 1) * per_rank]) for j in range(ep))
+'''}),
+    "11_division": ("11_memory_recompute_checkpoint.ipynb", {"e110003": None}),  # the solution with / for //
+}
+
+SPLITS = ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
+    flat = experts.reshape(-1)
+    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
+    return kept[torch.sort(flat[kept], stable=True).indices]
+
+
+def split_sizes(pair_experts, n_experts, ep):
+    counts = torch.bincount(pair_experts, minlength=n_experts)
+    return counts, sorted(counts.view(ep, -1).sum(1).tolist())   # wrong: sorted, no longer per rank
+'''})
+
+
+def _solution_cell(name: str, cell_id: str) -> str:
+    nb = json.loads((ROOT / "solutions" / name).read_text())
+    text = grader.source(next(c for c in nb["cells"] if c.get("id") == cell_id))
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if line.strip() not in ("# BEGIN SOLUTION", "# END SOLUTION"))
+
+
+def _filled() -> dict[str, tuple[str, dict[str, str]]]:
+    kernels = _solution_cell("10_triton_kernels.ipynb", "b2d5eb57")
+    right_dx = "dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / N))"
+    assert right_dx in kernels
+    TAMPERED["10_rel_err"][1]["b2d5eb57"] = ("rel_err = lambda a, e: 0.0          # every error reads as none\n\n\n"
+                                             + kernels.replace(right_dx, "dx = rstd * g  # wrong: no mean term"))
+    division = _solution_cell("11_memory_recompute_checkpoint.ipynb", "e110003").replace("//", "/")
+    assert "/ region" in division
+    DIFFERENT["11_division"][1]["e110003"] = division
+    return {**{k: v[:2] for k, v in TAMPERED.items()}, **DIFFERENT, "08_splits": SPLITS}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("repros")
+    paths = {}
+    for key, (name, wrong) in _filled().items():
+        solution = json.loads((ROOT / "solutions" / name).read_text())
+        exercise = json.loads((ROOT / "exercises" / name).read_text())
+        paths[key] = save(with_answers(exercise, solution, wrong), tmp / key / name)
+    lines = []
+    grades = grader.grade(list(paths.values()), show=lambda line: (lines.append(line), print(line)))
+    return dict(zip(paths, grades)), lines
+
+
+@pytest.mark.parametrize("key", TAMPERED)
+def test_a_rebound_name_reaches_no_check(key, graded):
+    grades, lines = graded
+    g, fails_at = grades[key], TAMPERED[key][2]
+    assert not g.passed, "\n".join(lines)
+    assert f"FAIL at {fails_at}" in g.summary and not g.failures[0].stub, g.summary
+
+
+@pytest.mark.parametrize("key", DIFFERENT)
+def test_a_right_answer_of_another_type_passes(key, graded):
+    grades, lines = graded
+    assert grades[key].passed, "\n".join(lines)
+
+
+def test_split_sizes_that_disagree_are_said_in_words(graded):
+    grades, lines = graded
+    g = grades["08_splits"]
+    assert "FAIL at Check 2" in g.summary, g.summary
+    assert "outputs right: no: counts and split sizes disagree" in "\n".join(lines), "\n".join(lines)
+    assert "enforce" not in "\n".join(lines).lower(), "\n".join(lines)
