@@ -10,7 +10,7 @@ import dataclasses
 import sys
 
 from .estimate.activations import RECOMPUTE
-from .estimate.memory import DTYPES, PRESETS, Setup, preset, rank_params, table
+from .estimate.memory import DTYPES, PRESETS, ZERO2_SYNC, Setup, preset, rank_params, table
 from .pipeline.schedules import SCHEDULES
 
 
@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--micro-batch", type=int, default=1, dest="micro_batch")
     c.add_argument("--seq", type=int, default=None)
     c.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    c.add_argument("--zero2-sync", choices=ZERO2_SYNC, default="last", dest="zero2_sync",
+                   help="ZeRO-2 with several micro-batches per step: reduce-scatter after the "
+                        "last (minitron: the full gradient accumulates) or after each (DeepSpeed)")
     c.add_argument("--recompute", choices=RECOMPUTE, default="none")
     c.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     return p

@@ -28,11 +28,22 @@ def test_zero_paper_figures():
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_estimate_uses_the_zero_formula_on_the_ranks_share(zero):
     cfg = PRESETS["gpt3-175b"]
-    e = estimate(cfg, Setup(tp=8, sp=True, pp=8, dp=16, zero=zero))
+    e = estimate(cfg, Setup(tp=8, sp=True, pp=8, dp=16, zero=zero, zero2_sync="each"))
     psi = rank_params(cfg, 8, 8)
     padded = -(-psi // 16) * 16
     want = formula_bytes(padded if zero else psi, 16, zero)
     assert (e.params, e.grads, e.optimizer) == (want.params, want.grads, want.optimizer)
+
+
+@pytest.mark.parametrize("pp, microbatches, full", [(8, None, True), (1, 4, True), (1, None, False)])
+def test_zero2_keeps_the_full_gradient_while_minitron_accumulates(pp, microbatches, full):
+    # minitron's ZeRO-2 adds a step's micro-batches up in the full buffer (no_sync) and
+    # reduce-scatters after the last: 2 Psi at the peak whenever a step has several
+    cfg = PRESETS["gpt3-175b"]
+    e = estimate(cfg, Setup(tp=8, sp=True, pp=pp, dp=16, zero=2, microbatches=microbatches))
+    padded = -(-rank_params(cfg, 8, pp) // 16) * 16
+    assert e.grads == (2 * padded if full else 2 * padded // 16)
+    assert e.optimizer == 12 * padded // 16
 
 
 def test_parameter_counts():

@@ -11,6 +11,11 @@ schedules, the most micro-batches in flight):
       over dp by ZeRO stage as in the ZeRO paper (data_parallel/memory.py formula_bytes):
       float32 keeps 4 (params) + 4 (grads) + 8 (Adam's two moments) bytes per parameter,
       bfloat16/float16 mixed precision 2 + 2 + 12 (an fp32 master copy and two moments);
+      ZeRO-2's gradients are 2Ψ/N only when each micro-batch's gradients are reduce-scattered
+      at once (`zero2_sync="each"`, DeepSpeed's way, m times the reduce-scatter traffic); minitron
+      accumulates a step's micro-batches in the full buffer under no_sync and reduce-scatters
+      after the last (`"last"`, the default), so with more than one micro-batch per step (any
+      pipeline) its peak holds the full 2Ψ;
   activations
       activations.layer_bytes per layer (Korthikanti et al.'s terms; minitron's float32
       accounting when dtype is float32) x the rank's layers x the micro-batches it keeps in
@@ -53,6 +58,7 @@ PRESETS = {
     "gpt3-175b": ModelConfig(hidden=12288, n_layers=96, n_heads=96, **_MEGATRON),
     "1t": ModelConfig(hidden=25600, n_layers=128, n_heads=160, **_MEGATRON),   # Narayanan et al.
 }
+ZERO2_SYNC = ("last", "each")   # when ZeRO-2 reduce-scatters: after a step's last micro-batch, or each
 DTYPES = {"float32": (4, 4, 8, MINITRON), "bfloat16": (2, 2, 12, PAPER), "float16": (2, 2, 12, PAPER)}
 
 
@@ -80,6 +86,7 @@ class Setup:
     zero: int = 0
     recompute: str = "none"
     dtype: str = "bfloat16"
+    zero2_sync: str = "last"          # ZeRO-2 under accumulation: "last" (minitron) or "each"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +145,8 @@ def _validate(cfg: ModelConfig, su: Setup) -> None:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {su.zero!r}")
     if su.dtype not in DTYPES:
         raise ValueError(f"dtype={su.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if su.zero2_sync not in ZERO2_SYNC:
+        raise ValueError(f"zero2_sync={su.zero2_sync!r}: choose one of {', '.join(ZERO2_SYNC)}")
     if su.recompute not in RECOMPUTE:
         raise ValueError(f"recompute={su.recompute!r}: choose one of {RECOMPUTE}")
     if su.sp and su.tp == 1:
@@ -154,6 +163,10 @@ def _validate(cfg: ModelConfig, su: Setup) -> None:
                          f"choose a sequence length divisible by {su.cp}")
 
 
+def microbatches_per_step(su: Setup) -> int:
+    return su.microbatches or su.pp * (2 if su.virtual > 1 else 1)
+
+
 def in_flight(su: Setup) -> float:
     """Micro-batches (in full-stage units) pipeline rank 0 keeps alive at its peak."""
     if su.pp == 1 and su.virtual == 1:
@@ -161,8 +174,7 @@ def in_flight(su: Setup) -> float:
     name = su.schedule or ("interleaved" if su.virtual > 1 else "1f1b")
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return _schedule_peak(name, su.pp, su.microbatches or su.pp * (2 if su.virtual > 1 else 1),
-                          su.virtual)
+    return _schedule_peak(name, su.pp, microbatches_per_step(su), su.virtual)
 
 
 @functools.lru_cache(maxsize=256)
@@ -189,6 +201,8 @@ def estimate(cfg: ModelConfig, su: Setup = Setup()) -> Estimate:
     psi = rank_params(cfg, su.tp, su.pp, su.virtual)
     padded = -(-psi // su.dp) * su.dp                 # ZeRO pads each rank's share equally
     state = formula_bytes(padded if su.zero else psi, su.dp, su.zero, p_bytes, g_bytes, o_bytes)
+    if su.zero == 2 and su.zero2_sync == "last" and microbatches_per_step(su) > 1:
+        state = dataclasses.replace(state, grads=g_bytes * padded)   # the full buffer accumulates
     layers = cfg.n_layers // su.pp                    # every rank holds L/pp (all its chunks)
     per_layer = activation_bytes_per_layer(cfg, su)
     alive = in_flight(su)
