@@ -113,7 +113,8 @@ class _Run:
             else:
                 x = self.inputs[(mb, s)]
             self.inputs[(mb, s)] = x
-            out = model.stage_forward(s, x)
+            with self.plant.attention() if self.plant is not None else contextlib.nullcontext():
+                out = model.stage_forward(s, x)
             if s == self.last:
                 if self.keep:
                     self.logits[mb] = out.detach().clone()

@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="activation recomputation in the split model (minitron/model/recompute.py): "
                         "every layer (full) or the attention core (selective)")
     r.add_argument("--plant", default=None, help=argparse.SUPPRESS)   # tests: plants.PLANTS
+    r.add_argument("--matrix", action="store_true",
+                   help="every combination of tp, pp, dp, cp, ep in {1, 2} on at most 8 ranks, one "
+                        "row each (minitron/verify/matrix.py); the other options are ignored")
+    r.add_argument("--quick", action="store_true", help="with --matrix: a representative subset")
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--hidden", type=int, default=64)
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:              # argparse's one line, without its usage block
         print(f"error: {e}; see python -m minitron.verify --help", file=sys.stderr)
         return 2
+    if args.matrix:
+        return _matrix(args)
     try:
         check_adamw(args.lr, args.eps)
         tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
@@ -183,3 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1
+
+
+def _matrix(args) -> int:
+    from . import matrix
+    if args.plant is not None and args.plant.split(":")[0] not in matrix.PLANT_DIMENSION:
+        print(f"error: --plant {args.plant} with --matrix: choose one of "
+              f"{', '.join(matrix.PLANT_DIMENSION)}", file=sys.stderr)
+        return 2
+    results = matrix.run(args.quick, steps=args.steps if args.steps != 3 else 2, plant=args.plant)
+    print(matrix.table(results))
+    ok = matrix.as_expected(results, args.plant)
+    if args.plant:
+        print(f"plant {args.plant}: the rows with {matrix.PLANT_DIMENSION[args.plant.split(':')[0]]} "
+              f"{'FAIL and the others PASS' if ok else 'do not all FAIL (or others fail too)'}")
+    return 0 if ok else 1

@@ -25,6 +25,8 @@ PLANTS = {
     "pp-wrong-stage": "pipeline: a stage passes back the gradient it received (dL/d its output) "
                       "instead of dL/d its input, so the gradient reaches the wrong stage",
     "pp-drop-w": "pipeline: the W of micro-batch 0 on stage 0 is dropped (its dL/dW never runs)",
+    "pp-stale-grad": "pipeline: a stage passes back, for each micro-batch, the gradient it passed "
+                     "back for the previous one (zeros for the first): a reused buffer",
     "dp-bucket": "data parallel (--zero 0): bucket 1 of the gradient buffer is never all-reduced "
                  "(each rank keeps its own gradient, times 1/dp)",
     "zero-gather": "ZeRO 1/2: the updated shards are never all-gathered (each rank keeps only the "
@@ -68,6 +70,7 @@ class Plant(StepHooks):
         defaults = {"replica-drift": "norm.weight", "weight-drift": "final_norm.weight"}
         self.target = target or defaults.get(self.kind, "layers.0.mlp.fc1.weight")
         self._before: torch.Tensor | None = None
+        self._sent: dict[int, torch.Tensor] = {}     # pp-stale-grad: stage -> last gradient sent
 
     def _params(self, model) -> list[torch.nn.Parameter]:
         found = [p for n, p in model.named_parameters() if n.endswith(self.target)]
@@ -116,6 +119,10 @@ class Plant(StepHooks):
         its output it was given (a middle stage only: the last stage's is the loss)."""
         if self.kind == "pp-wrong-stage" and grad_out is not None:
             return grad_out
+        if self.kind == "pp-stale-grad":
+            sent = self._sent.get(stage)
+            self._sent[stage] = grad_in.detach().clone()
+            return torch.zeros_like(grad_in) if sent is None else sent
         return grad_in
 
     def drops_w(self, microbatch: int, stage: int) -> bool:
