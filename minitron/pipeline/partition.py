@@ -70,8 +70,8 @@ class _WordEmbeddingCopy(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: _Ctx):
         super().__init__()
-        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ctx.group,
-                                           sequence_parallel=ctx.sp)
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ctx.grid.tp,
+                                           sequence_parallel=ctx.grid.sequence_parallel)
 
 
 class PipelineGPT(ParallelGPT):
@@ -103,11 +103,11 @@ class PipelineGPT(ParallelGPT):
                                      for i in stage_layers(cfg, s, self.n_stages)})
         if self.holds_last:
             self.final_norm = make_model_norm(cfg)
-            _mark_sequence_parallel(self.final_norm, ctx.sp)
+            _mark_sequence_parallel(self.final_norm, grid.sequence_parallel)
             if not cfg.tie_embeddings:
-                self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, ctx.group,
-                                                    bias=False, sequence_parallel=ctx.sp)
-        self.rng = make_dropout_rng(cfg.dropout_rng, seed, ctx.tp_rank, device=grid.device)
+                self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, grid.tp, bias=False,
+                                                    sequence_parallel=grid.sequence_parallel)
+        self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid, placement))
         self.to(grid.device)
         if self.tied_across_ranks and (self.holds_first or self.holds_last):
