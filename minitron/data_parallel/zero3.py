@@ -33,8 +33,9 @@ def default_units(model: nn.Module) -> list[nn.Module]:
         raise ValueError("ZeroStage3 gathers the embedding unit for the embedding's forward only, "
                          "but a tied output layer reuses its weight later: use tie_embeddings=False")
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    ends = lambda names: [getattr(model, n) for n in names if hasattr(model, n)]
-    return ends(["embedding"]) + list(layers) + ends(["final_norm", "lm_head"])
+    first = [model.embedding] if hasattr(model, "embedding") else []
+    last = [getattr(model, name) for name in ("final_norm", "lm_head") if hasattr(model, name)]
+    return first + list(layers) + last
 
 
 class _FreeAfterBackward(torch.autograd.Function):
@@ -208,10 +209,16 @@ class ZeroStage3:
 
     def _after_forward(self, unit: _Unit, out) -> None:
         unit.free()
+
+        def gather_for_backward(grad):
+            # The output's gradient is ready, so the unit's backward runs next: it needs the
+            # weights back. Returning None passes the gradient on unchanged.
+            unit.gather()
+
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for t in outs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g, u=unit: (u.gather(), g)[1])
+                t.register_hook(gather_for_backward)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if weight_grad.waiting(p):            # a B deferred this gradient: W will bring it
