@@ -31,29 +31,10 @@ import torch
 
 from ..runtime import comm
 from ..runtime.comm import Group
-from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+from ..tensor_parallel.mappings import (all_to_all, gather_from_sequence_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from .experts import GroupedExperts
 from .router import Routing
-
-
-class _AllToAll(torch.autograd.Function):
-    """All-to-all with uneven splits; its adjoint is the all-to-all with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
-        return comm.all_to_all(x, group, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return comm.all_to_all(grad.contiguous(), ctx.group, in_splits, out_splits), None, None, None
-
-
-def all_to_all(x: torch.Tensor, group: Group, output_splits: list[int],
-               input_splits: list[int]) -> torch.Tensor:
-    return x if group.size == 1 else _AllToAll.apply(x, group, output_splits, input_splits)
 
 
 def pairs_by_expert(r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
