@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import ops
+from .engine_api import GradientEngine
 
 
 class ZeroOptimizer:
@@ -36,7 +37,7 @@ class ZeroOptimizer:
     `step(grad_scale=s)` divides the gradients by s first (in fp32): loss scaling and
     gradient clipping fold into it (minitron.data_parallel.precision)."""
 
-    def __init__(self, engine, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, engine: GradientEngine, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"ZeroOptimizer: need lr, eps, weight_decay >= 0 and betas in [0, 1); "

@@ -20,6 +20,7 @@ from ..grid import Grid
 from ..tensor_parallel import weight_grad
 from .buffer import FlatLayout, flatten_into
 from .ddp import sum_sequence_parallel_grads
+from .engine_api import GradientEngine, Piece
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -123,7 +124,7 @@ class _Unit:
             p.grad = None
 
 
-class ZeroStage3:
+class ZeroStage3(GradientEngine):
     """Parameters, gradients and optimizer state all sharded over the data-parallel group.
 
     Each unit (default_units: one per layer, plus embedding, final norm, output layer) is
@@ -159,6 +160,9 @@ class ZeroStage3:
     may include the next micro-batch's norm gradients (from its B): sums are sums, each
     contribution is sent exactly once, and m reduce-scatters per unit still hold.
     """
+
+    zero_stage = 3
+    grads_replicated = False
 
     def __init__(self, model: nn.Module, grid: Grid, units: list[nn.Module] | None = None):
         self.model, self.grid = model, grid
@@ -225,7 +229,7 @@ class ZeroStage3:
             return
         self.unit_of[p].contribute(p, self.scale)
 
-    # ---- the engine API (as DataParallel's) ------------------------------------------
+    # ---- GradientEngine (engine_api.py) ------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Nothing to hold back: micro-batches accumulate in the sharded gradient (class doc)."""
@@ -250,19 +254,21 @@ class ZeroStage3:
     def owned_grads(self) -> list[torch.Tensor]:
         return [u.grad_shard for u in self.units]
 
-    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+    def group_of(self, p: nn.Parameter) -> comm.Group:
+        return self.unit_of[p].group
+
+    def grad_pieces(self, p: nn.Parameter) -> list[Piece]:
         u = self.unit_of[p]
         return [(i, u.grad_shard[j:j + ln]) for i, j, ln in u.layout.pieces(p, [u.range])]
 
-    def param_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+    def param_pieces(self, p: nn.Parameter) -> list[Piece]:
+        """Only ZeRO-3 shards parameters: the pieces of p this rank keeps (grad_pieces' twin)."""
         u = self.unit_of[p]
         return [(i, u.shard[j:j + ln]) for i, j, ln in u.layout.pieces(p, [u.range])]
 
     @property
-    def parameters(self):
+    def parameters(self) -> list[nn.Parameter]:
         return list(self.unit_of)
-
-    grads_replicated = False
 
     def after_step(self) -> None:
         """Nothing to gather: the next forward gathers each unit with its new shard."""
