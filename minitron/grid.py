@@ -16,12 +16,10 @@ Which groups exist, and what travels in each:
   dense_dp  ranks holding the same dense weights       (dense gradients: dp x cp x ep —
             expert-parallel ranks see different tokens, so for dense layers they are
             data-parallel replicas too)
-  tp_cp     ranks sharing one sequence's activations   (tp x cp)
   tp_ep     ranks exchanging one MoE layer's tokens    (tp x ep: with sequence parallelism
             every TP rank holds different tokens, so dispatch spans both)
   ep_dp     ranks fed different rows of the batch      (dp x ep; cp ranks share rows and
             split their sequences: the engine gathers a step's outputs over ep_dp)
-  mp        model-parallel ranks of one replica        (tp x pp: a global grad norm)
   embedding first and last pipeline stage              (tied embedding gradients)
 
 Where this differs from Megatron-Core (megatron/core/parallel_state.py): minitron builds
@@ -54,9 +52,8 @@ CP_VARIANTS = ("ring", "allgather", "ulysses")
 # group name -> the dimensions that vary inside it
 GROUP_DIMS = {
     "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
-    "dp_cp": ("cp", "dp"), "dense_dp": ("cp", "ep", "dp"), "tp_cp": ("tp", "cp"),
-    "tp_ep": ("tp", "ep"), "ep_dp": ("ep", "dp"),
-    "mp": ("tp", "pp"),
+    "dp_cp": ("cp", "dp"), "dense_dp": ("cp", "ep", "dp"), "tp_ep": ("tp", "ep"),
+    "ep_dp": ("ep", "dp"),
 }
 
 
@@ -245,15 +242,24 @@ class Grid:
         for name, dims in GROUP_DIMS.items():
             self.groups[name] = _build(name, config.group_ranks(dims), self.rank)
         self.groups["embedding"] = _build("embedding", config.embedding_ranks(), self.rank)
-
-    # Attribute access reads like Megatron: grid.tp, grid.tp_rank, grid.is_last_stage
-    def __getattr__(self, name):
-        groups = self.__dict__.get("groups", {})
-        if name in groups:
-            return groups[name]
-        if name.endswith("_rank") and name[:-5] in DIMS:
-            return self.__dict__["coords"][name[:-5]]
-        raise AttributeError(name)
+        # The names read like Megatron's: grid.tp is this rank's tensor-parallel group (a
+        # comm.Group: .ranks, .rank, .size), grid.tp_rank its coordinate along tp. The
+        # module docstring's table says what travels in each group.
+        self.tp = self.groups["tp"]
+        self.cp = self.groups["cp"]
+        self.ep = self.groups["ep"]
+        self.dp = self.groups["dp"]
+        self.pp = self.groups["pp"]
+        self.dp_cp = self.groups["dp_cp"]
+        self.dense_dp = self.groups["dense_dp"]
+        self.tp_ep = self.groups["tp_ep"]
+        self.ep_dp = self.groups["ep_dp"]
+        self.embedding = self.groups["embedding"]
+        self.tp_rank = self.coords["tp"]
+        self.cp_rank = self.coords["cp"]
+        self.ep_rank = self.coords["ep"]
+        self.dp_rank = self.coords["dp"]
+        self.pp_rank = self.coords["pp"]
 
     @property
     def sequence_parallel(self) -> bool:

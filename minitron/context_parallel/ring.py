@@ -18,45 +18,17 @@ the queries live. The running dK, dV travel in float32 (float64 for float64 inpu
     backward bytes per rank = (cp - 1) * 2 * b * h_kv * (s/cp) * d * element size   (K, V)
                             +  cp      * 2 * b * h_kv * (s/cp) * d * 4 (or 8)          (dK, dV)
 
-The messages go through minitron.runtime.comm's counters (comm.exchange's accounting; `post` below
-is its non-blocking twin), so tests compare the bytes with these formulas.
+The messages go through comm_async.exchange (comm.exchange without the wait, counted the same
+way by minitron.runtime.comm), so tests compare the bytes with these formulas.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..runtime import comm
+from ..runtime import comm_async
 from ..runtime.comm import P2P, Group
 from .blocks import Accumulator, BlockMath, block_pairs
 from .sharding import chunk_ids, positions
-
-
-class Posted:
-    """Point-to-point messages in flight; wait() blocks until all have arrived."""
-
-    def __init__(self, works, group: Group, what: str):
-        self.works, self.group, self.what = works, group, what
-
-    def wait(self) -> None:
-        works, self.works = self.works, []
-        comm._call(self.what, self.group, lambda: [w.wait() for w in works])
-
-
-def post(ops: list[P2P], group: Group) -> Posted:
-    """Start sends and receives (contiguous tensors, peers other than this rank) and return
-    at once: comm.exchange without the wait, counted the same way."""
-    torch_ops = []
-    for op in ops:
-        if not op.tensor.is_contiguous():
-            raise ValueError("post: the tensors must be contiguous (a receive writes in place)")
-        nbytes = comm._nbytes(op.tensor)
-        comm._count(group, op.kind, nbytes, nbytes if op.kind == "send" else 0)
-        fn = dist.isend if op.kind == "send" else dist.irecv
-        torch_ops.append(dist.P2POp(fn, op.tensor, comm._peer(group, op.peer, "post"), group=group.pg))
-    what = f"ring exchange with group ranks {sorted({op.peer for op in ops})}"
-    works = comm._call(what, group, lambda: dist.batch_isend_irecv(torch_ops))
-    return Posted(works, group, what)
 
 
 class RingSetup:
@@ -89,8 +61,8 @@ class RingAttention(torch.autograd.Function):
             posted = None
             if step < cp - 1:              # the next block is on its way while we compute
                 kv_next = torch.empty_like(kv)
-                posted = post([P2P("send", kv, setup.next), P2P("recv", kv_next, setup.prev)],
-                              setup.group)
+                posted = comm_async.exchange([P2P("send", kv, setup.next),
+                                              P2P("recv", kv_next, setup.prev)], setup.group)
             for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
                 out_b, lse_b = math.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                             diag, qp, kp)
@@ -122,7 +94,7 @@ class RingAttention(torch.autograd.Function):
             if step > 0:   # pass on last step's running sum; receive the one for this block
                 dkv_in = torch.empty_like(dkv)
                 ops += [P2P("send", dkv, setup.next), P2P("recv", dkv_in, setup.prev)]
-            posted = post(ops, group) if ops else None
+            posted = comm_async.exchange(ops, group) if ops else None
             share = torch.zeros((2, *k.shape), dtype=lse.dtype, device=k.device)
             for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
                 dq_b, dk_b, dv_b = math.backward(
@@ -138,7 +110,8 @@ class RingAttention(torch.autograd.Function):
                 kv = kv_next
         if cp > 1:        # the last hop: every rank's dK, dV arrive home
             home = torch.empty_like(dkv)
-            post([P2P("send", dkv, setup.next), P2P("recv", home, setup.prev)], group).wait()
+            ops = [P2P("send", dkv, setup.next), P2P("recv", home, setup.prev)]
+            comm_async.exchange(ops, group).wait()
             dkv = home
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 

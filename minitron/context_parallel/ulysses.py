@@ -2,7 +2,8 @@
 
 Before attention each rank holds all heads of its s/cp tokens; one all-to-all over cp gives
 it h/cp heads of all s tokens, so attention runs as on one device (any kernel, no merging),
-and a second all-to-all brings the output back to the sequence split. Heads are independent,
+and a second all-to-all brings the output back to the sequence split (both are autograd
+functions beside their siblings in tensor_parallel/mappings.py). Heads are independent,
 so nothing is approximated; the price is that the query and kv head counts must divide by cp
 (with tensor parallelism: heads/tp by cp), and every rank momentarily holds the whole
 sequence for its heads. Per rank the all-to-alls move (cp-1)/cp of what they are given:
@@ -17,51 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import comm
-from ..runtime.comm import Group
 from ..kernels import ops
+from ..runtime.comm import Group
+from ..tensor_parallel.mappings import all_to_all_heads_to_seq, all_to_all_seq_to_heads
 from .sharding import gathered_order
-
-
-def _seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """[b, h, s/cp, d] (this rank's tokens, all heads) -> [b, h/cp, s, d] (all tokens, in
-    gathered order: rank 0's, rank 1's, ...; this rank's heads)."""
-    cp = group.size
-    b, h, sl, d = x.shape
-    parts = x.reshape(b, cp, h // cp, sl, d).transpose(0, 1).contiguous()   # head group i -> rank i
-    got = comm.all_to_all(parts, group)                                    # [cp (source), b, h/cp, sl, d]
-    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * sl, d)
-
-
-def _heads_to_seq(y: torch.Tensor, group: Group) -> torch.Tensor:
-    """The inverse of _seq_to_heads."""
-    cp = group.size
-    b, hc, s, d = y.shape
-    parts = y.reshape(b, hc, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # tokens of rank i
-    got = comm.all_to_all(parts, group)                                           # [cp (head group), ...]
-    return got.transpose(0, 1).reshape(b, cp * hc, s // cp, d)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _heads_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
 
 
 def check_heads(hq: int, hkv: int, cp: int) -> None:
@@ -91,7 +51,7 @@ def ulysses_attention(q, k, v, group: Group, causal: bool = True, layout: str = 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     order = gathered_order(q.shape[2] * cp, cp, layout, q.device)   # gathered index -> position
     back = torch.argsort(order)
-    qf, kf, vf = (_SeqToHeads.apply(t, group).index_select(2, back) for t in (q, k, v))
+    qf, kf, vf = (all_to_all_seq_to_heads(t, group).index_select(2, back) for t in (q, k, v))
     if drop is not None:                 # our heads after the swap: head group `rank`
         hc = q.shape[1] // cp
         drop = drop[:, group.rank * hc:(group.rank + 1) * hc]
@@ -99,4 +59,4 @@ def ulysses_attention(q, k, v, group: Group, causal: bool = True, layout: str = 
         out = ops.flash_attention(qf, kf, vf, causal=causal, scale=scale)
     else:
         out = torch_attention(qf, kf, vf, causal, scale, drop)
-    return _HeadsToSeq.apply(out.index_select(2, order).contiguous(), group)
+    return all_to_all_heads_to_seq(out.index_select(2, order).contiguous(), group)

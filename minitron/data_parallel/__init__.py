@@ -1,12 +1,13 @@
 """Data parallelism and ZeRO: replicas that average gradients, then shard what they replicate.
 
-    buffer.py   the flat parameter/gradient buffer, its buckets and their collectives
-    ddp.py      DataParallel: bucketed all-reduce (or reduce-scatter) started from backward hooks
-    step.py     forward_backward: this rank's rows of the global batch, in micro-batches
-    zero.py     ZeroOptimizer: AdamW on fp32 master shards (the ZeRO table is in its docstring)
-    zero3.py    ZeroStage3: sharded parameters, gathered unit by unit (pipelines, B/W split too)
-    memory.py   per-rank bytes measured, and the ZeRO formulas for memory and traffic
-    checks.py   whole tensors rebuilt from shards, for comparisons with the reference
+    engine_api.py  GradientEngine: what both engines below offer, named once
+    buffer.py      the flat parameter/gradient buffer, its buckets and their collectives
+    ddp.py         DataParallel: bucketed all-reduce (or reduce-scatter) started from backward hooks
+    step.py        forward_backward: this rank's rows of the global batch, in micro-batches
+    zero.py        ZeroOptimizer: AdamW on fp32 master shards (the ZeRO table is in its docstring)
+    zero3.py       ZeroStage3: sharded parameters, gathered unit by unit (pipelines, B/W split too)
+    memory.py      per-rank bytes measured, and the ZeRO formulas for memory and traffic
+    checks.py      whole tensors rebuilt from shards, for comparisons with the reference
 
 One training step (every rank runs it; minitron.data_parallel.precision has the mixed-precision parts):
 
@@ -24,13 +25,15 @@ One training step (every rank runs it; minitron.data_parallel.precision has the 
 from .buffer import Bucket, FlatLayout, GroupBuffer
 from .checks import gathered_grads, gathered_params, load_grads
 from .ddp import DEFAULT_BUCKET_NUMEL, DataParallel, reduction_group
+from .engine_api import GradientEngine
 from .memory import StateBytes, formula_bytes, measure, traffic_wire_bytes
 from .step import forward_backward, local_rows
 from .zero import ZeroOptimizer
 from .zero3 import ZeroStage3, default_units
 
 
-def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL, **adamw):
+def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+         **adamw) -> tuple[GradientEngine, ZeroOptimizer]:
     """(engine, optimizer) for ZeRO stage 0 (plain data parallel), 1, 2 or 3; `adamw` goes to
     ZeroOptimizer (lr, betas, eps, weight_decay). bucket_numel is unused by stage 3 (one
     collective per unit)."""
@@ -41,7 +44,7 @@ def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BU
     return engine, ZeroOptimizer(engine, **adamw)
 
 
-__all__ = ["Bucket", "FlatLayout", "GroupBuffer", "DataParallel", "DEFAULT_BUCKET_NUMEL",
-           "reduction_group", "ZeroOptimizer", "ZeroStage3", "default_units", "StateBytes",
+__all__ = ["Bucket", "FlatLayout", "GroupBuffer", "GradientEngine", "DataParallel",
+           "DEFAULT_BUCKET_NUMEL", "reduction_group", "ZeroOptimizer", "ZeroStage3", "default_units", "StateBytes",
            "formula_bytes", "measure", "traffic_wire_bytes", "gathered_grads", "gathered_params",
            "load_grads", "forward_backward", "local_rows", "wrap"]

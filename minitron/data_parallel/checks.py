@@ -9,42 +9,37 @@ traffic no training step pays; it is never called by one.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from ..runtime import comm
+from .engine_api import GradientEngine
 
 
-def _group(engine, p: nn.Parameter):
-    buffer_of = getattr(engine, "buffer_of", None)
-    return buffer_of[p].group if buffer_of is not None else engine.group
-
-
-def _assemble(engine, pieces_of, replicated: bool) -> dict[str, torch.Tensor]:
+def _assemble(engine: GradientEngine, pieces_of, replicated: bool) -> dict[str, torch.Tensor]:
     out = {}
     for p in engine.parameters:
         full = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
         for i, t in pieces_of(p):
             full[i:i + t.numel()].copy_(t)
         if not replicated:
-            comm.all_reduce(full, _group(engine, p))
+            comm.all_reduce(full, engine.group_of(p))
         out[engine.names[p]] = full.view(p.shape)
     return out
 
 
-def gathered_grads(engine) -> dict[str, torch.Tensor]:
+def gathered_grads(engine: GradientEngine) -> dict[str, torch.Tensor]:
     """{name: this rank's whole (data-parallel reduced) gradient}, keyed like the state dict."""
     return _assemble(engine, engine.grad_pieces, engine.grads_replicated)
 
 
-def gathered_params(engine) -> dict[str, torch.Tensor]:
+def gathered_params(engine: GradientEngine) -> dict[str, torch.Tensor]:
     """{name: whole parameter}: stage 3 gathers the shards; other stages hold them whole."""
-    if not hasattr(engine, "param_pieces"):
+    if engine.zero_stage != 3:
         return {engine.names[p]: p.detach().clone() for p in engine.parameters}
     return _assemble(engine, engine.param_pieces, False)
 
 
 @torch.no_grad()
-def load_grads(engine, grads: dict[str, torch.Tensor]) -> None:
+def load_grads(engine: GradientEngine, grads: dict[str, torch.Tensor]) -> None:
     """Write whole, already reduced gradients into the pieces `engine` keeps (the verifier
     steps both optimizers on the reference's gradients, so the step is checked on its own)."""
     for p in engine.parameters:

@@ -62,6 +62,7 @@ from ..runtime import comm, comm_async
 from ..grid import Grid
 from ..pipeline.actions import Event
 from .buffer import GroupBuffer
+from .engine_api import GradientEngine, Piece
 
 DEFAULT_BUCKET_NUMEL = 40_000_000   # Megatron's default bucket size, in elements
 
@@ -71,7 +72,7 @@ def reduction_group(p: nn.Parameter, grid: Grid):
     return grid.dp_cp if getattr(p, "allreduce", True) is False else grid.dense_dp
 
 
-def sum_sequence_parallel_grads(engine, grid: Grid) -> None:
+def sum_sequence_parallel_grads(engine: GradientEngine, grid: Grid) -> None:
     """Under sequence parallelism, sum the gradients of parameters marked `sequence_parallel`
     over tp (tensor_parallel/grads.py explains why), on the pieces `engine` keeps: under ZeRO
     only the owned shard is summed, which is all the optimizer reads. One all-reduce."""
@@ -88,7 +89,7 @@ def sum_sequence_parallel_grads(engine, grid: Grid) -> None:
         offset += t.numel()
 
 
-class DataParallel:
+class DataParallel(GradientEngine):
     """Bucketed, overlapped gradient averaging for `model` over the grid's data-parallel groups.
 
     `bucket_numel`: elements per bucket (None: one bucket). `zero_stage`: 0, 1 or 2 (see the
@@ -118,7 +119,7 @@ class DataParallel:
         self.backward_end: float | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
-    # ---- the training-loop API -------------------------------------------------------
+    # ---- GradientEngine (engine_api.py): the training loop ------------------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (every micro-batch but the last)."""
@@ -160,7 +161,10 @@ class DataParallel:
     def owned_grads(self) -> list[torch.Tensor]:
         return [t for gb in self.buffers for t in gb.owned_grads()]
 
-    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+    def group_of(self, p: nn.Parameter) -> comm.Group:
+        return self.buffer_of[p].group
+
+    def grad_pieces(self, p: nn.Parameter) -> list[Piece]:
         return self.buffer_of[p].grad_pieces(p)
 
     @property

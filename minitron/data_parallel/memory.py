@@ -29,6 +29,8 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from .engine_api import GradientEngine
+
 
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
@@ -55,7 +57,7 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-def measure(model: nn.Module, engine, optimizer) -> StateBytes:
+def measure(model: nn.Module, engine: GradientEngine, optimizer) -> StateBytes:
     """The bytes this rank holds now for `model`'s parameters, their gradients and `optimizer`'s
     state (a ZeroOptimizer, or a torch optimizer: every tensor in its state)."""
     params = list(model.parameters())

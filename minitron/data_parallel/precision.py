@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from ..runtime import comm
 from ..model.convert import rules
+from .engine_api import GradientEngine
 
 # 16-bit comparisons (tests, verify --dtype): both sides round every op's output to 16 bits,
 # but in different places: a data-parallel rank sums the gradient over half the tokens and
@@ -107,18 +108,17 @@ def _tp_replicated(model: nn.Module, grid) -> set[str]:
     return {r.name for r in rules(model.cfg) if r.dim is None}
 
 
-def _counted_here(engine, p: nn.Parameter, name: str, grid, replicated_tp: set[str]) -> bool:
+def _counted_here(engine: GradientEngine, p: nn.Parameter, name: str, grid, replicated_tp: set[str]) -> bool:
     if name in replicated_tp and grid.tp.rank != 0:
         return False
     if getattr(p, "shared_embedding", False) and not grid.is_first_stage:
         return False
-    if engine.grads_replicated:
-        group = engine.buffer_of[p].group
-        return group.rank == 0
+    if engine.grads_replicated:                # every rank of p's group holds it: count one
+        return engine.group_of(p).rank == 0
     return True
 
 
-def grad_norm(engine, grid, grad_scale: float = 1.0) -> float:
+def grad_norm(engine: GradientEngine, grid, grad_scale: float = 1.0) -> float:
     """The L2 norm of the whole model's gradient (divided by `grad_scale`), every element
     counted once (module docstring). Collective: every rank calls it."""
     replicated_tp = _tp_replicated(engine.model, grid)
@@ -136,7 +136,7 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def optimizer_step(optimizer, engine, grid, scaler: LossScaler | None = None,
+def optimizer_step(optimizer, engine: GradientEngine, grid, scaler: LossScaler | None = None,
                    max_norm: float | None = None) -> dict:
     """One mixed-precision step after engine.finish_grad_sync(): skip on overflow, unscale,
     clip, step. Returns {'stepped', 'norm', 'scale'} (the scale the gradients carried)."""

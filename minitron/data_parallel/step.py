@@ -17,6 +17,7 @@ import contextlib
 import torch
 
 from ..grid import Grid
+from .engine_api import GradientEngine
 
 
 def local_rows(global_batch: int, grid: Grid) -> slice:
@@ -32,7 +33,7 @@ def local_rows(global_batch: int, grid: Grid) -> slice:
     return slice(d * b, (d + 1) * b)
 
 
-def forward_backward(model, engine, tokens: torch.Tensor, targets: torch.Tensor, *,
+def forward_backward(model, engine: GradientEngine, tokens: torch.Tensor, targets: torch.Tensor, *,
                      micro_batches: int = 1, step_seed: int | None = None,
                      loss_scale: float = 1.0) -> torch.Tensor:
     """Forward and backward this rank's rows of (tokens, targets), the global batch; returns
@@ -49,7 +50,7 @@ def forward_backward(model, engine, tokens: torch.Tensor, targets: torch.Tensor,
     for m in range(micro_batches):
         first = rows.start + m * mb
         last = m == micro_batches - 1
-        quiet = engine.no_sync() if not last and hasattr(engine, "no_sync") else contextlib.nullcontext()
+        quiet = engine.no_sync() if not last else contextlib.nullcontext()
         with quiet:
             rng = getattr(model, "rng", None)
             if rng is not None and step_seed is not None:

@@ -30,6 +30,7 @@ import math
 import torch
 
 from ..kernels import ops
+from .engine_api import GradientEngine
 
 
 class ZeroOptimizer:
@@ -38,7 +39,7 @@ class ZeroOptimizer:
     `step(grad_scale=s)` divides the gradients by s first (in fp32): loss scaling and
     gradient clipping fold into it (minitron.data_parallel.precision)."""
 
-    def __init__(self, engine, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, engine: GradientEngine, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
         finite = all(0 <= x < math.inf for x in (lr, eps, weight_decay))   # NaN fails both
         if not finite or not all(0 <= b < 1 for b in betas):

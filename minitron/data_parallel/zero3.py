@@ -20,6 +20,7 @@ from ..grid import Grid
 from ..tensor_parallel import weight_grad
 from .buffer import FlatLayout, flatten_into
 from .ddp import sum_sequence_parallel_grads
+from .engine_api import GradientEngine, Piece
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -33,8 +34,9 @@ def default_units(model: nn.Module) -> list[nn.Module]:
         raise ValueError("ZeroStage3 gathers the embedding unit for the embedding's forward only, "
                          "but a tied output layer reuses its weight later: use tie_embeddings=False")
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    ends = lambda names: [getattr(model, n) for n in names if hasattr(model, n)]
-    return ends(["embedding"]) + list(layers) + ends(["final_norm", "lm_head"])
+    first = [model.embedding] if hasattr(model, "embedding") else []
+    last = [getattr(model, name) for name in ("final_norm", "lm_head") if hasattr(model, name)]
+    return first + list(layers) + last
 
 
 class _FreeAfterBackward(torch.autograd.Function):
@@ -122,7 +124,7 @@ class _Unit:
             p.grad = None
 
 
-class ZeroStage3:
+class ZeroStage3(GradientEngine):
     """Parameters, gradients and optimizer state all sharded over the data-parallel group.
 
     Each unit (default_units: one per layer, plus embedding, final norm, output layer) is
@@ -158,6 +160,9 @@ class ZeroStage3:
     may include the next micro-batch's norm gradients (from its B): sums are sums, each
     contribution is sent exactly once, and m reduce-scatters per unit still hold.
     """
+
+    zero_stage = 3
+    grads_replicated = False
 
     def __init__(self, model: nn.Module, grid: Grid, units: list[nn.Module] | None = None):
         self.model, self.grid = model, grid
@@ -208,17 +213,23 @@ class ZeroStage3:
 
     def _after_forward(self, unit: _Unit, out) -> None:
         unit.free()
+
+        def gather_for_backward(grad):
+            # The output's gradient is ready, so the unit's backward runs next: it needs the
+            # weights back. Returning None passes the gradient on unchanged.
+            unit.gather()
+
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for t in outs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g, u=unit: (u.gather(), g)[1])
+                t.register_hook(gather_for_backward)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if weight_grad.waiting(p):            # a B deferred this gradient: W will bring it
             return
         self.unit_of[p].contribute(p, self.scale)
 
-    # ---- the engine API (as DataParallel's) ------------------------------------------
+    # ---- GradientEngine (engine_api.py) ------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Nothing to hold back: micro-batches accumulate in the sharded gradient (class doc)."""
@@ -243,19 +254,21 @@ class ZeroStage3:
     def owned_grads(self) -> list[torch.Tensor]:
         return [u.grad_shard for u in self.units]
 
-    def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+    def group_of(self, p: nn.Parameter) -> comm.Group:
+        return self.unit_of[p].group
+
+    def grad_pieces(self, p: nn.Parameter) -> list[Piece]:
         u = self.unit_of[p]
         return [(i, u.grad_shard[j:j + ln]) for i, j, ln in u.layout.pieces(p, [u.range])]
 
-    def param_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
+    def param_pieces(self, p: nn.Parameter) -> list[Piece]:
+        """Only ZeRO-3 shards parameters: the pieces of p this rank keeps (grad_pieces' twin)."""
         u = self.unit_of[p]
         return [(i, u.shard[j:j + ln]) for i, j, ln in u.layout.pieces(p, [u.range])]
 
     @property
-    def parameters(self):
+    def parameters(self) -> list[nn.Parameter]:
         return list(self.unit_of)
-
-    grads_replicated = False
 
     def after_step(self) -> None:
         """Nothing to gather: the next forward gathers each unit with its new shard."""

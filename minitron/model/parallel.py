@@ -1,6 +1,7 @@
 """The reference GPT, split across a tensor-parallel group (optionally sequence-parallel).
 
-The same model as reference.py, with the same module names, built from the parallel layers:
+The same model as reference.py, with the same module names, built from the parallel layers
+(the blocks and the embedding are in blocks.py):
 
   embedding.word        VocabParallelEmbedding: rows of the table split across tp
   embedding.position    replicated (learned positions only)
@@ -36,8 +37,8 @@ Context parallelism (grid.cp > 1, minitron/context_parallel): a rank's tokens ar
 two zigzag chunks of every sequence (then, under SP, its 1/tp of those). Attention reaches the
 other cp ranks' keys and values by ParallelConfig.cp_variant (ring, allgather or ulysses);
 every other layer is per token and runs unchanged. Learned and rotary positions, and every
-dropout mask, follow the tokens' global positions (`_Ctx.positions`). Each rank's loss is the
-mean over its own tokens, so finalize_grads averages every gradient over cp.
+dropout mask, follow the tokens' global positions (BlockContext.positions, blocks.py). Each
+rank's loss is the mean over its own tokens, so finalize_grads averages every gradient over cp.
 
 With ModelConfig.n_experts > 0 the MLP of every moe_every-th block is a ParallelMoE
 (minitron/moe/layer.py): its experts spread over the ep group, its tokens dispatched over
@@ -45,200 +46,25 @@ tp_ep, its auxiliary losses added by `loss`.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..context_parallel import context_parallel_attention
-from ..context_parallel import positions as cp_positions
 from ..context_parallel.grads import average_grads_over_cp
 from ..grid import Grid, validate_model
-from ..kernels import ops   # imports no triton until a kernel first runs
 from ..moe.layer import ParallelMoE, check_moe_grid
-from .recompute import checkpoint
 from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                              vocab_parallel_cross_entropy)
 from ..tensor_parallel.grads import allreduce_sequence_parallel_grads
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel.layers import ColumnParallelLinear
 from ..tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                         gather_from_sequence_parallel_region)
-from ..tensor_parallel.random import DropoutRNG, make_dropout_rng
+from ..tensor_parallel.random import make_dropout_rng
+from .blocks import BlockContext, ParallelEmbedding, build_block, mark_sequence_parallel
 from .config import ModelConfig
 from .convert import shard_state_dict
-from .fused import check_kernels, fused_attention_core, make_model_norm
-from .reference import GPT, attention_core, rotary
-
-
-def _mark_sequence_parallel(module: nn.Module, sp: bool) -> None:
-    """Under SP a replicated module sees only this rank's tokens: its gradient is partial."""
-    for p in module.parameters():
-        p.sequence_parallel = sp
-
-
-class _Ctx:
-    """What every block needs to know about its place on the grid (not a module)."""
-
-    def __init__(self, cfg: ModelConfig, grid: Grid):
-        self.cfg, self.group, self.grid = cfg, grid.tp, grid
-        self.tp, self.tp_rank = grid.tp.size, grid.tp.rank
-        self.sp = grid.sequence_parallel
-        self.cp_group, self.cp, self.cp_rank = grid.cp, grid.cp.size, grid.cp.rank
-        self.cp_variant = grid.config.cp_variant
-        # Attention through context_parallel_attention: needed when cp > 1. At cp = 1 the plain
-        # core computes the same; `python -m minitron.bench overhead` turns this on there to
-        # time the ring's own machinery with nothing to split.
-        self.context_parallel = self.cp > 1
-
-    def cp_positions(self, s_cp: int, device) -> torch.Tensor:
-        """Global positions of the s_cp tokens this cp rank holds (its zigzag chunks)."""
-        if self.cp == 1:
-            return torch.arange(s_cp, device=device)
-        return cp_positions(s_cp * self.cp, self.cp, self.cp_rank, device=device)
-
-    def positions(self, s_local: int, device) -> torch.Tensor:
-        """Global positions of this rank's s_local tokens (under SP its 1/tp of the cp rank's)."""
-        if not self.sp:
-            return self.cp_positions(s_local, device)
-        lo = self.tp_rank * s_local
-        return self.cp_positions(s_local * self.tp, device)[lo:lo + s_local]
-
-    def dropout(self, x: torch.Tensor, rng: DropoutRNG, training: bool) -> torch.Tensor:
-        """Residual/embedding dropout: replicated [b, s, h], or this rank's tokens of the
-        sequence under SP or CP (the full mask's columns at their global positions)."""
-        if not self.sp and self.cp == 1:
-            return rng.dropout(x, self.cfg.dropout, training)
-        b, s_local, h = x.shape
-        if self.cp == 1:
-            lo = self.tp_rank * s_local
-            mine = slice(lo, lo + s_local)
-        else:
-            mine = self.positions(s_local, x.device)
-        s_full = s_local * (self.tp if self.sp else 1) * self.cp
-        return rng.dropout(x, self.cfg.dropout, training, index=(slice(None), mine),
-                           full_shape=(b, s_full, h))
-
-
-class ParallelAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
-        super().__init__()
-        self.cfg, self.ctx = cfg, ctx
-        hd, tp = cfg.head_dim, ctx.tp
-        self.heads, self.kv_heads = cfg.n_heads // tp, cfg.kv_heads // tp   # this rank's
-        self.qkv = ColumnParallelLinear(cfg.hidden, (cfg.n_heads + 2 * cfg.kv_heads) * hd, ctx.group,
-                                        bias=cfg.bias, sequence_parallel=ctx.sp)
-        self.out = RowParallelLinear(cfg.n_heads * hd, cfg.hidden, ctx.group, bias=cfg.bias,
-                                     input_is_parallel=True, sequence_parallel=ctx.sp)
-
-    def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
-        hd = self.cfg.head_dim
-        qkv = self.qkv(x)                       # [b, s, (hq + 2 hkv) * hd / tp], full sequence
-        b, s, _ = qkv.shape
-        q, k, v = qkv.split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        q = q.reshape(b, s, -1, hd).transpose(1, 2)       # [b, heads/tp, s, hd]
-        k = k.reshape(b, s, -1, hd).transpose(1, 2)
-        v = v.reshape(b, s, -1, hd).transpose(1, 2)
-        if self.cfg.position == "rope":          # this cp rank's whole sequence: SP gathered it
-            pos = self.ctx.cp_positions(s, x.device)
-            q, k = rotary(q, pos, self.cfg.rope_base), rotary(k, pos, self.cfg.rope_base)
-        first = self.ctx.tp_rank * self.heads   # our heads in the reference's numbering
-        if self.ctx.context_parallel:
-            y = self.context_parallel_core(q, k, v, rng, slice(first, first + self.heads))
-            return self.out(y.transpose(1, 2).reshape(b, s, -1))
-        core = functools.partial(fused_attention_core if self.cfg.use_kernels else attention_core,
-                                 cfg=self.cfg, rng=rng, training=self.training,
-                                 head_index=slice(first, first + self.heads), full_heads=self.cfg.n_heads)
-        if self.cfg.recompute == "selective":   # keep q, k, v; rerun the core in backward
-            y = checkpoint(core, rng, q, k, v)
-        else:
-            y = core(q, k, v)
-        return self.out(y.transpose(1, 2).reshape(b, s, -1))
-
-    def context_parallel_core(self, q, k, v, rng: DropoutRNG, heads: slice) -> torch.Tensor:
-        """Causal attention of this cp rank's tokens over the whole sequence. Dropout: the
-        reference's mask for our heads over all s x s (query, key) positions, applied in
-        whichever block each pair is computed."""
-        drop, p = None, self.cfg.dropout
-        if self.training and p > 0:
-            b, _, s_cp, _ = q.shape
-            s = s_cp * self.ctx.cp
-            shape = (b, self.cfg.n_heads, s, s)
-            like = q.new_empty(()).expand(b, self.heads, s, s)   # only its shape and device are read
-            drop = rng.local_mask(like, p, (slice(None), heads), shape).to(q.dtype) / (1.0 - p)
-        return context_parallel_attention(q, k, v, self.ctx.cp_group, variant=self.ctx.cp_variant,
-                                          causal=True, scale=self.cfg.head_dim ** -0.5,
-                                          use_kernels=self.cfg.use_kernels, drop=drop)
-
-
-class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
-        super().__init__()
-        self.cfg = cfg
-        width = 2 * cfg.ffn if cfg.activation == "swiglu" else cfg.ffn   # [gate; up] fused
-        # With kernels, GeLU's input bias is added inside ops.bias_gelu, in the same pass.
-        self.fuse_bias = cfg.use_kernels and cfg.activation == "gelu" and cfg.bias
-        self.fc1 = ColumnParallelLinear(cfg.hidden, width, ctx.group, bias=cfg.bias,
-                                        sequence_parallel=ctx.sp, skip_bias_add=self.fuse_bias)
-        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, ctx.group, bias=cfg.bias,
-                                     input_is_parallel=True, sequence_parallel=ctx.sp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fuse_bias:
-            return self.fc2(ops.bias_gelu(*self.fc1(x)))
-        z = self.fc1(x)                          # the activation is elementwise: apply it per shard
-        if self.cfg.activation == "swiglu":
-            gate, up = z.chunk(2, dim=-1)        # views: the kernel reads them in place
-            return self.fc2(ops.swiglu(gate, up) if self.cfg.use_kernels else F.silu(gate) * up)
-        return self.fc2(F.gelu(z))
-
-
-class ParallelBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: _Ctx, moe: bool = False):
-        super().__init__()
-        self.ctx = ctx
-        self.attn_norm = make_model_norm(cfg)
-        self.attention = ParallelAttention(cfg, ctx)
-        self.mlp_norm = make_model_norm(cfg)
-        self.mlp = ParallelMoE(cfg, ctx.grid) if moe else ParallelMLP(cfg, ctx)
-        _mark_sequence_parallel(self.attn_norm, ctx.sp)
-        _mark_sequence_parallel(self.mlp_norm, ctx.sp)
-
-    def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
-        if self.ctx.cfg.recompute == "full":    # keep x only; rerun the layer in backward
-            return checkpoint(self._forward, rng, x, others=(rng,))
-        return self._forward(x, rng)
-
-    def _forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
-        drop = self.ctx.dropout
-        x = x + drop(self.attention(self.attn_norm(x), rng), rng, self.training)
-        return x + drop(self.mlp(self.mlp_norm(x)), rng, self.training)
-
-
-def build_block(cfg: ModelConfig, ctx: _Ctx, index: int) -> ParallelBlock:
-    """Layer `index`'s block: its MLP a mixture of experts where the config says so. Every
-    model builds its blocks here (ParallelGPT all of them, a pipeline rank its stages')."""
-    return ParallelBlock(cfg, ctx, cfg.is_moe_layer(index))
-
-
-class ParallelEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
-        super().__init__()
-        self.ctx = ctx
-        # Under SP the lookup's reduce-scatter leaves [b, s/tp, h]: the sum and the split in one.
-        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ctx.group,
-                                           sequence_parallel=ctx.sp)
-        if cfg.position == "learned":
-            self.position = nn.Embedding(cfg.seq_len, cfg.hidden)
-            # Under SP each rank adds the rows of its own positions only, so its gradient
-            # holds only those rows: it is summed across tp like the norms'.
-            _mark_sequence_parallel(self.position, ctx.sp)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.word(tokens)
-        if hasattr(self, "position"):   # under SP and CP only this rank's positions' rows
-            x = x + self.position(self.ctx.positions(x.shape[1], tokens.device))
-        return x
+from .fused import check_kernels, make_model_norm
+from .reference import GPT
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
@@ -263,15 +89,15 @@ class ParallelGPT(nn.Module):
         if cfg.use_kernels:
             check_kernels(cfg, grid.device)
         self.cfg, self.grid = cfg, grid
-        self.ctx = ctx = _Ctx(cfg, grid)
+        self.ctx = ctx = BlockContext(cfg, grid)
         self.embedding = ParallelEmbedding(cfg, ctx)
         self.layers = nn.ModuleList(build_block(cfg, ctx, i) for i in range(cfg.n_layers))
         self.final_norm = make_model_norm(cfg)
-        _mark_sequence_parallel(self.final_norm, ctx.sp)
+        mark_sequence_parallel(self.final_norm, grid.sequence_parallel)
         if not cfg.tie_embeddings:
-            self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, ctx.group, bias=False,
-                                                sequence_parallel=ctx.sp)
-        self.rng = make_dropout_rng(cfg.dropout_rng, seed, ctx.tp_rank, device=grid.device)
+            self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, grid.tp, bias=False,
+                                                sequence_parallel=grid.sequence_parallel)
+        self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
         # The same weights as GPT(cfg, seed): initialise the full model once, keep our shards.
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid))
         self.to(grid.device)
@@ -286,12 +112,13 @@ class ParallelGPT(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """X, the input of the first block: [b, s, h], or [b, s/tp, h] under SP."""
-        if tokens.shape[1] * self.ctx.cp > self.cfg.seq_len:
-            raise ValueError(f"sequence of {tokens.shape[1] * self.ctx.cp} tokens is longer than "
+        cp, tp = self.grid.cp.size, self.grid.tp.size
+        if tokens.shape[1] * cp > self.cfg.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1] * cp} tokens is longer than "
                              f"ModelConfig.seq_len={self.cfg.seq_len}")
-        if self.ctx.sp and tokens.shape[1] % self.ctx.tp:
+        if self.grid.sequence_parallel and tokens.shape[1] % tp:
             raise ValueError(f"sequence parallelism splits the {tokens.shape[1]} tokens across "
-                             f"tp={self.ctx.tp}: use a length that is a multiple of {self.ctx.tp}")
+                             f"tp={tp}: use a length that is a multiple of {tp}")
         _check_ids(tokens, self.cfg.vocab_size, "token")
         self.rng.at_layer(-1)
         return self.ctx.dropout(self.embedding(tokens), self.rng, self.training)
@@ -311,10 +138,10 @@ class ParallelGPT(nn.Module):
         if not self.cfg.tie_embeddings:
             return self.lm_head(x)
         # What ColumnParallelLinear.forward does, with the embedding's weight shard.
-        if self.ctx.sp:
-            x = gather_from_sequence_parallel_region(x, self.ctx.group)
+        if self.grid.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.grid.tp)
         else:
-            x = copy_to_tensor_model_parallel_region(x, self.ctx.group)
+            x = copy_to_tensor_model_parallel_region(x, self.grid.tp)
         return F.linear(x, self.output_weight())
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -322,7 +149,7 @@ class ParallelGPT(nn.Module):
         the MoE layers' auxiliary losses (this rank's terms: see minitron/moe/layer.py)."""
         _check_ids(targets, self.cfg.vocab_size, "target")
         ce = fused_vocab_parallel_cross_entropy if self.cfg.use_kernels else vocab_parallel_cross_entropy
-        return ce(logits, targets, self.ctx.group).mean() + self.moe_loss()
+        return ce(logits, targets, self.grid.tp).mean() + self.moe_loss()
 
     def moe_layers(self) -> list[ParallelMoE]:
         return [m for m in self.modules() if isinstance(m, ParallelMoE)]   # PipelineGPT's too
@@ -340,5 +167,5 @@ class ParallelGPT(nn.Module):
     def finalize_grads(self) -> None:
         """Call after backward, before the optimizer step (see tensor_parallel/grads.py and
         context_parallel/grads.py; with DataParallel call its finish_grad_sync instead)."""
-        allreduce_sequence_parallel_grads(self, self.ctx.group)
-        average_grads_over_cp(self, self.ctx.cp_group)
+        allreduce_sequence_parallel_grads(self, self.grid.tp)
+        average_grads_over_cp(self, self.grid.cp)

@@ -31,29 +31,10 @@ import torch
 
 from ..runtime import comm
 from ..runtime.comm import Group
-from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+from ..tensor_parallel.mappings import (all_to_all, gather_from_sequence_parallel_region,
                                         reduce_scatter_to_sequence_parallel_region)
 from .experts import GroupedExperts
 from .router import Routing
-
-
-class _AllToAll(torch.autograd.Function):
-    """All-to-all with uneven splits; its adjoint is the all-to-all with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
-        return comm.all_to_all(x, group, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return comm.all_to_all(grad.contiguous(), ctx.group, in_splits, out_splits), None, None, None
-
-
-def all_to_all(x: torch.Tensor, group: Group, output_splits: list[int],
-               input_splits: list[int]) -> torch.Tensor:
-    return x if group.size == 1 else _AllToAll.apply(x, group, output_splits, input_splits)
 
 
 def pairs_by_expert(r: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,35 +64,48 @@ class AllToAllDispatcher:
         self.plant: str | None = None
 
     def __call__(self, x: torch.Tensor, r: Routing, experts: GroupedExperts) -> torch.Tensor:
-        n, h = x.shape
-        k, E, El, R = r.experts.shape[1], self.n_experts, self.local, self.group.size
-        pairs, pair_experts = pairs_by_expert(r)                                    # 1. permute
-        counts = torch.bincount(pair_experts, minlength=E)
-        ends = counts.cumsum(0)[El - 1::El].tolist()                    # block end per ep rank
-        starts = [0, *ends[:-1]]
-        # member d = j * tp + t gets ep rank j's block (every tp rank of j gets a copy)
-        send = torch.cat([pairs[starts[j]:ends[j]] for j in range(self.ep) for _ in range(self.tp)])
-        in_splits = [ends[j] - starts[j] for j in range(self.ep) for _ in range(self.tp)]
-        send_counts = counts.view(self.ep, 1, El).expand(self.ep, self.tp, El).reshape(-1)
-        recv_counts = comm.all_to_all(send_counts.contiguous(), self.group).view(R, El)   # 2.
-        out_splits = recv_counts.sum(1).tolist()
-        rows = x[torch.div(send, k, rounding_mode="floor")]
-        received = all_to_all(rows, self.group, out_splits, in_splits)            # 3. dispatch
-        local_expert = torch.arange(El, device=x.device).repeat(R)
-        row_expert = torch.repeat_interleave(local_expert, recv_counts.reshape(-1))
-        regroup = torch.sort(row_expert, stable=True).indices                       # 4. experts
-        source = torch.repeat_interleave(torch.arange(R, device=x.device), recv_counts.sum(1))
-        # fc2's bias once per pair: by the tp rank whose number is the source's tp rank
-        bias_rows = (source % self.tp == self.tp_rank)[regroup]
-        group_counts = recv_counts.sum(0).tolist()
-        if self.plant == "split" and El > 1 and group_counts[0] > 0:
-            group_counts[0], group_counts[1] = group_counts[0] - 1, group_counts[1] + 1
-        y = experts(received[regroup], group_counts, bias_rows)
-        undo = torch.argsort(regroup)                                               # 5. combine
-        if self.plant == "unpermute" and undo.numel() > 1:
-            undo = undo.roll(1)
-        back = all_to_all(y[undo], self.group, in_splits, out_splits)
-        y_pairs = x.new_zeros(n * k, h).index_add(0, send, back)     # sums the tp partial sums
+        n_tokens, hidden = x.shape
+        top_k, n_local, n_members = r.experts.shape[1], self.local, self.group.size
+        device = x.device
+        # 1. permute: sorted by expert, the pairs bound for ep rank j are one block of `pairs`
+        pairs, pair_experts = pairs_by_expert(r)
+        pairs_per_expert = torch.bincount(pair_experts, minlength=self.n_experts)
+        block_end = pairs_per_expert.cumsum(0)[n_local - 1::n_local].tolist()   # per ep rank
+        block_start = [0, *block_end[:-1]]
+        # Member d = j * tp + t is ep rank j's tp rank t. Each of j's tp ranks holds a slice of
+        # every one of j's experts, so each gets a copy of j's whole block.
+        dest_ep_rank = [j for j in range(self.ep) for _ in range(self.tp)]   # per member
+        sent_pairs = torch.cat([pairs[block_start[j]:block_end[j]] for j in dest_ep_rank])
+        send_splits = [block_end[j] - block_start[j] for j in dest_ep_rank]
+        # 2. counts: member d learns how many rows of each of its local experts we send it
+        send_counts = pairs_per_expert.view(self.ep, 1, n_local).expand(self.ep, self.tp, n_local)
+        recv_counts = comm.all_to_all(send_counts.reshape(-1).contiguous(), self.group)
+        recv_counts = recv_counts.view(n_members, n_local)        # [source member, local expert]
+        recv_splits = recv_counts.sum(1).tolist()
+        # 3. dispatch: one row per sent pair, its token's (pair = token * top_k + slot)
+        rows = x[torch.div(sent_pairs, top_k, rounding_mode="floor")]
+        received = all_to_all(rows, self.group, recv_splits, send_splits)
+        # 4. experts: rows arrive ordered by source, then local expert; a stable sort by
+        #    local expert makes each expert's rows one block for the grouped matmul
+        expert_of_row = torch.repeat_interleave(torch.arange(n_local, device=device).repeat(n_members),
+                                                recv_counts.reshape(-1))
+        by_expert = torch.sort(expert_of_row, stable=True).indices
+        source_of_row = torch.repeat_interleave(torch.arange(n_members, device=device),
+                                                recv_counts.sum(1))
+        # The tp ranks of an expert each return a partial sum of fc2; its bias must be added
+        # once per pair: by the tp rank whose number is the source's tp rank.
+        adds_bias = (source_of_row % self.tp == self.tp_rank)[by_expert]
+        rows_per_expert = recv_counts.sum(0).tolist()
+        if self.plant == "split" and n_local > 1 and rows_per_expert[0] > 0:
+            rows_per_expert[0], rows_per_expert[1] = rows_per_expert[0] - 1, rows_per_expert[1] + 1
+        y = experts(received[by_expert], rows_per_expert, adds_bias)
+        # 5. combine: back to arrival order, back to the senders (the splits swapped), and
+        #    every pair's tp partial sums added up where the pair came from
+        arrival_order = torch.argsort(by_expert)
+        if self.plant == "unpermute" and arrival_order.numel() > 1:
+            arrival_order = arrival_order.roll(1)
+        returned = all_to_all(y[arrival_order], self.group, send_splits, recv_splits)
+        y_pairs = x.new_zeros(n_tokens * top_k, hidden).index_add(0, sent_pairs, returned)
         return combine(y_pairs, r)
 
 

@@ -19,9 +19,9 @@ the first and the last stage) there is one weight and nothing to sum.
 
 Context parallelism needs nothing of its own here: every cp rank of a stage holds the same
 stages whole and runs them on its zigzag chunks (the executor shards each micro-batch), the
-blocks' attention reaches the other cp ranks through _Ctx, and finalize_grads averages over cp
-(ParallelGPT's) before the tied embedding's sum over the first and last stage of each
-(tp, cp, dp) coordinate's pipeline.
+blocks' attention reaches the other cp ranks through BlockContext (model/blocks.py), and
+finalize_grads averages over cp (ParallelGPT's) before the tied embedding's sum over the first
+and last stage of each (tp, cp, dp) coordinate's pipeline.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from ..grid import Grid, validate_model
 from ..model.config import ModelConfig
 from ..model.convert import shard_state_dict, stage_layers
 from ..model.fused import check_kernels, make_model_norm
-from ..model.parallel import ParallelEmbedding, ParallelGPT, _Ctx, _mark_sequence_parallel, build_block
+from ..model.blocks import BlockContext, ParallelEmbedding, build_block, mark_sequence_parallel
+from ..model.parallel import ParallelGPT
 from ..moe.layer import check_moe_grid
 from ..model.reference import GPT
 from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -68,10 +69,10 @@ def check_placement(cfg: ModelConfig, pp: int, placement: tuple[int, ...]) -> No
 class _WordEmbeddingCopy(nn.Module):
     """The last stage's copy of the tied word embedding, as `embedding.word` (the same name)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: _Ctx):
+    def __init__(self, cfg: ModelConfig, ctx: BlockContext):
         super().__init__()
-        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ctx.group,
-                                           sequence_parallel=ctx.sp)
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ctx.grid.tp,
+                                           sequence_parallel=ctx.grid.sequence_parallel)
 
 
 class PipelineGPT(ParallelGPT):
@@ -94,7 +95,7 @@ class PipelineGPT(ParallelGPT):
         self.stages = [s for s, r in enumerate(placement) if r == grid.pp.rank]
         self.holds_first, self.holds_last = 0 in self.stages, self.n_stages - 1 in self.stages
         self.tied_across_ranks = cfg.tie_embeddings and placement[0] != placement[-1]
-        self.ctx = ctx = _Ctx(cfg, grid)
+        self.ctx = ctx = BlockContext(cfg, grid)
         if self.holds_first:
             self.embedding = ParallelEmbedding(cfg, ctx)
         elif self.holds_last and cfg.tie_embeddings:
@@ -103,11 +104,11 @@ class PipelineGPT(ParallelGPT):
                                      for i in stage_layers(cfg, s, self.n_stages)})
         if self.holds_last:
             self.final_norm = make_model_norm(cfg)
-            _mark_sequence_parallel(self.final_norm, ctx.sp)
+            mark_sequence_parallel(self.final_norm, grid.sequence_parallel)
             if not cfg.tie_embeddings:
-                self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, ctx.group,
-                                                    bias=False, sequence_parallel=ctx.sp)
-        self.rng = make_dropout_rng(cfg.dropout_rng, seed, ctx.tp_rank, device=grid.device)
+                self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, grid.tp, bias=False,
+                                                    sequence_parallel=grid.sequence_parallel)
+        self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid, placement))
         self.to(grid.device)
         if self.tied_across_ranks and (self.holds_first or self.holds_last):

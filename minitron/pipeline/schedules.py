@@ -34,35 +34,42 @@ from .actions import (B, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Sched
                       interleaved_placement, v_placement)
 
 
+def _awaited(a: Action, last: int) -> tuple[str, int, int] | None:
+    """The tensor `a` waits for: a forward the previous stage's output, a backward (B or BW) the
+    next stage's input gradient; None for stage 0's F, the last stage's B, and every W (which
+    needs only what its own B saved, earlier on this rank)."""
+    if a.kind == F and a.stage > 0:
+        return ("F", a.microbatch, a.stage - 1)
+    if a.kind in (B, BW) and a.stage < last:
+        return ("B", a.microbatch, a.stage + 1)
+    return None
+
+
 def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]]):
     """Start and end of every compute action when each runs as soon as its inputs exist
     (F = B = W = 1, BW = 2, messages free). Raises ValueError if the orders wait on each other."""
     last, cost = len(stage_rank) - 1, {F: 1, B: 1, W: 1, BW: 2}
-    ready: dict[tuple[str, int, int], int] = {}       # ("F"|"B", mb, stage) -> when made
+    ready: dict[tuple[str, int, int], int] = {}   # ("F"|"B", mb, stage) -> when made
     times: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
     clock = {r: 0 for r in compute}
     moved = True
-    while moved:
+    while moved:      # sweep the ranks until none can start its next action
         moved = False
         for r, order in compute.items():
             while len(times[r]) < len(order):
                 a = order[len(times[r])]
-                needs = {F: [("F", a.microbatch, a.stage - 1)] if a.stage > 0 else [],
-                         W: [], B: [("B", a.microbatch, a.stage + 1)] if a.stage < last else []}
-                deps = needs.get(a.kind, needs[B])
-                if any(d not in ready for d in deps):
-                    break
-                start = max([clock[r]] + [ready[d] for d in deps])
+                awaited = _awaited(a, last)
+                if awaited is not None and awaited not in ready:
+                    break                             # another rank must make it first
+                start = clock[r] if awaited is None else max(clock[r], ready[awaited])
                 clock[r] = start + cost[a.kind]
                 times[r].append((start, clock[r]))
-                if a.kind != W:
+                if a.kind != W:                       # F hands on its output, B/BW dL/dinput
                     ready["F" if a.kind == F else "B", a.microbatch, a.stage] = clock[r]
                 moved = True
-    stuck = {r: str(order[len(times[r])]) for r, order in compute.items()
-             if len(times[r]) < len(order)}
+    stuck = {r: str(order[len(times[r])]) for r, order in compute.items() if len(times[r]) < len(order)}
     if stuck:
-        raise ValueError("compute orders wait on each other forever; each rank's next action: "
-                         f"{stuck}")
+        raise ValueError(f"compute orders wait on each other forever; each rank's next action: {stuck}")
     return times
 
 
@@ -72,18 +79,15 @@ def with_messages(name: str, pp: int, microbatches: int, virtual: int,
 
     Every message is stamped with the time its tensor is made in an as-soon-as-possible run of
     the compute orders (ties broken the same way everywhere); both ends place it at that time:
-    after every compute that started earlier, before every compute that starts at or after it.
-    So the sender posts it right after producing the tensor, the receiver before consuming it,
-    and every rank posts its messages in one global order. Then no deadlock is possible, even
+    after every compute that started earlier, before every compute that starts at or after it,
+    so every rank posts its messages in one global order. Then no deadlock is possible, even
     under rendezvous: the earliest message not yet posted by both ends is reached by both,
     because everything before it on each end has been matched.
     """
     last = len(stage_rank) - 1
     times = _compute_times(stage_rank, compute)
-    made = {}
-    for r, order in compute.items():
-        for a, (_, end) in zip(order, times[r]):
-            made[a.kind, a.microbatch, a.stage] = end
+    made = {(a.kind, a.microbatch, a.stage): end        # when each compute's tensor exists
+            for r, order in compute.items() for a, (_, end) in zip(order, times[r])}
     messages: dict[int, list[tuple[tuple, Action]]] = {r: [] for r in compute}
     for r, order in compute.items():
         for a in order:
@@ -282,14 +286,8 @@ def zb_h2(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     return with_messages("zb-h2", pp, m, 1, interleaved_placement(pp, 1), order)
 
 
-SCHEDULES = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "zb-h1": zb_h1,
-    "zb-h2": zb_h2,
-    "zb-v": zb_v,
-}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1,
+             "zb-h2": zb_h2, "zb-v": zb_v}
 
 
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int | None = None) -> Schedule:

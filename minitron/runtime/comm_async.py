@@ -11,6 +11,9 @@ names the rank, the operation and the group.
     ...                                                       # more backward
     pending.wait()                                            # bucket now holds the sum
 
+`exchange` does the same for point-to-point messages (context parallelism's ring posts the
+next key/value block, then computes on the one it holds).
+
 Inputs must be contiguous (the result is written where the collective puts it, no copy back).
 Each Pending records when it started and when the collective finished (`started`, `finished`,
 time.perf_counter() seconds; from the work's future where the backend offers one, otherwise the
@@ -24,13 +27,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .comm import Group, _all_gather_flat, _call, _count, _nbytes, _reduce_op, _reduce_scatter_flat
+from .comm import (P2P, Group, _all_gather_flat, _call, _count, _nbytes, _peer, _reduce_op,
+                   _reduce_scatter_flat)
 
 
 class Pending:
     """A collective in flight. `wait()` blocks until it is done and returns its result."""
 
-    def __init__(self, op: str, group: Group, work, result: torch.Tensor,
+    def __init__(self, op: str, group: Group, work, result: torch.Tensor | None,
                  finish: Callable[[], None] | None = None):
         self.op, self.group, self.result = op, group, result
         self._work, self._finish = work, finish
@@ -50,7 +54,7 @@ class Pending:
     def done(self) -> bool:
         return self._work is None
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | None:
         if self._work is not None:
             work, self._work = self._work, None
             _call(f"wait for {self.op}", self.group, work.wait)
@@ -120,4 +124,31 @@ def all_gather(t: torch.Tensor, group: Group, out: torch.Tensor | None = None) -
     return Pending("all_gather", group, work, out)
 
 
-__all__ = ["Pending", "all_reduce", "reduce_scatter", "all_gather"]
+class _Batch:
+    """The works of one batch_isend_irecv (one per message), waited for as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def exchange(ops: list[P2P], group: Group) -> Pending:
+    """Start sends and receives and return at once: comm.exchange without the wait, counted the
+    same way (a send's bytes all cross the wire). Every peer must be another rank and every
+    tensor contiguous (a receive writes into it); `wait()` returns None once all have arrived."""
+    torch_ops = []
+    for op in ops:
+        _contiguous(op.tensor, "exchange")
+        nbytes = _nbytes(op.tensor)
+        _count(group, op.kind, nbytes, nbytes if op.kind == "send" else 0)
+        fn = dist.isend if op.kind == "send" else dist.irecv
+        torch_ops.append(dist.P2POp(fn, op.tensor, _peer(group, op.peer, "exchange"), group=group.pg))
+    what = f"exchange with group ranks {sorted({op.peer for op in ops})}"
+    works = _start(what, group, lambda: dist.batch_isend_irecv(torch_ops))
+    return Pending(what, group, _Batch(works), None)
+
+
+__all__ = ["Pending", "all_reduce", "reduce_scatter", "all_gather", "exchange"]

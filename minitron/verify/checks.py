@@ -241,11 +241,11 @@ def replica_rows(step: int, kind: str, local: dict, cfg: ModelConfig, grid: Grid
     for rule in rules(cfg):
         if rule.name in local:
             for g in replica_groups(rule, tied_across_stages, over_dp):
-                if getattr(grid, g).size > 1:
+                if grid.groups[g].size > 1:
                     by_group.setdefault(g, []).append(rule.name)
     worst, detail = 0.0, ""
     for g, names in by_group.items():
-        group = getattr(grid, g)
+        group = grid.groups[g]
         flat = torch.cat([local[n].detach().reshape(-1) for n in names])
         copies = comm.all_gather(flat.unsqueeze(0).contiguous(), group, dim=0)   # [size, numel]
         offset = 0

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..data_parallel.zero3 import ZeroStage3
 from ..grid import Grid
 from ..train.step import StepHooks
 
@@ -142,7 +143,7 @@ class Plant(StepHooks):
         if self.kind == "dp-bucket":
             _never_reduce_bucket(engine, 1)
         elif self.kind == "zero-gather":
-            if hasattr(engine, "units"):      # ZeroStage3
+            if isinstance(engine, ZeroStage3):
                 for unit in engine.units:
                     unit.gather = _stale_gather(unit)
             elif engine.zero_stage not in (1, 2):
