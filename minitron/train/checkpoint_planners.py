@@ -3,7 +3,7 @@
 DCP describes a saved tensor by its global shape and the chunks (offsets, sizes) the ranks
 wrote; its default planners learn those from DTensor/ShardedTensor objects. minitron's ranks
 hold plain tensors whose place in the reference tensor comes from model/convert.py's rules
-(checkpoint.placements), so these planners take {fqn: (piece, global shape, offsets)} and hand
+(checkpoint_pieces.placements), so these planners take {fqn: (piece, global shape, offsets)} and hand
 DCP exactly that. Everything else (deduplicating replicated pieces, checking that the pieces
 tile each tensor, computing which saved chunks overlap a wanted piece) is DCP's own.
 """
