@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.minitron-installed
 
-.PHONY: setup lab test browser-test grade verify-all bench clean-venv
+.PHONY: setup lab test browser-test grade verify-all verify-matrix bench clean-venv
 
 setup: $(STAMP)
 
@@ -76,6 +76,16 @@ verify-all: setup
 	$(BIN)/python -m minitron.verify --tp 2 --sp --cp 2 --pp 2 --schedule 1f1b --microbatches 4 --steps 3
 	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --pp 2 --dp 2 --schedule 1f1b --microbatches 4 --steps 3
 	$(BIN)/python -m minitron.verify --tp 1 --cp 2 --pp 2 --virtual 2 --layers 4 --schedule interleaved --microbatches 4 --steps 3
+
+# Every combination of tp, pp, dp, cp, ep in {1, 2} on at most 8 ranks; the table is kept in
+# bench/results/verify_matrix.md (lesson 12 reads it).
+verify-matrix: setup
+	@mkdir -p bench/results
+	{ printf '# python -m minitron.verify --matrix, %s\n\n%s\n\n```\n' "$$(date -u +%Y-%m-%d)" \
+	    "$$($(BIN)/python -c 'from minitron.bench.overhead import machine; print(machine())')"; \
+	  $(BIN)/python -m minitron.verify --matrix | grep -v '^  '; printf '```\n'; } \
+	  > bench/results/verify_matrix.md
+	@cat bench/results/verify_matrix.md
 
 bench: setup
 	$(BIN)/python -m minitron.bench overhead
