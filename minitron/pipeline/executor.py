@@ -93,6 +93,7 @@ class _Run:
         self.defers = any(a.kind == W for acts in schedule.actions.values() for a in acts)
         self.inputs, self.outputs, self.grad_out, self.grad_in = {}, {}, {}, {}
         self.loss = None
+        self.aux = torch.zeros((), device=tokens.device)   # earlier stages' auxiliary losses
         self.logits, self.input_grads = [None] * m, [None] * m
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -115,6 +116,10 @@ class _Run:
             self.inputs[(mb, s)] = x
             with self.plant.attention() if self.plant is not None else contextlib.nullcontext():
                 out = model.stage_forward(s, x)
+            aux = model.stage_aux_loss(s) if s != self.last else None
+            if aux is not None:         # this stage's routers' terms of the loss, scaled as it is
+                out = carry_aux_loss(out, aux, 1.0 / self.schedule.microbatches)
+                self.aux = self.aux + aux.detach().float() / self.schedule.microbatches
             if s == self.last:
                 if self.keep:
                     self.logits[mb] = out.detach().clone()
@@ -201,6 +206,25 @@ class _Run:
             self.messages(batch)
 
 
+class _CarryAuxLoss(torch.autograd.Function):
+    """forward: the stage's output as it is; backward: its gradient, and `scale` as the gradient
+    of the auxiliary loss, which is a term of the loss (d loss / d aux = 1, times the 1/m of the
+    micro-batch), so the routers of a stage that is not the last get their share."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale, ctx.aux_shape = scale, aux.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=grad.dtype, device=grad.device), None
+
+
+def carry_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    return _CarryAuxLoss.apply(out, aux, scale)
+
+
 def last_backward_tail(actions: list[Action], microbatches: int) -> int | None:
     """Where the rank's last backward work starts: the index of the first action after which
     every backward action (BW, B, W) is of the last micro-batch; None if the rank has none.
@@ -248,6 +272,9 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
         raise ValueError(f"schedule {schedule.name!r} ended with work still waiting for "
                          f"(micro-batch, stage) {sorted(set(leftover))}: a backward or a send is missing")
     loss, cp = run.loss, model.grid.cp
+    if model.cfg.n_experts and schedule.pp > 1:    # the earlier stages' auxiliary losses join it
+        aux = comm.all_reduce(run.aux.reshape(1).clone(), model.grid.pp)[0]
+        loss = None if loss is None else loss + aux
     if loss is not None and cp.size > 1:   # each cp rank's is the mean over its own tokens
         loss = comm.all_reduce(loss.clone(), cp) / cp.size
     if finalize_grads:

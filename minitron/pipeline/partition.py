@@ -17,6 +17,11 @@ name) and finalize_grads sums the two copies' gradients over grid.embedding, Meg
 copies take the same step and stay equal. When they are on the same rank (ZB-V: rank 0 holds
 the first and the last stage) there is one weight and nothing to sum.
 
+Experts inside stages: each MoE layer's all-to-all runs over its own stage's tp x ep ranks, as
+anywhere; its router's auxiliary losses are a term of the loss, so a stage that is not the last
+carries its layers' terms into its own backward (executor.carry_aux_loss, Megatron's
+MoEAuxLossAutoScaler) and the last stage adds its own to the loss.
+
 Context parallelism needs nothing of its own here: every cp rank of a stage holds the same
 stages whole and runs them on its zigzag chunks (the executor shards each micro-batch), the
 blocks' attention reaches the other cp ranks through BlockContext (model/blocks.py), and
@@ -135,6 +140,18 @@ class PipelineGPT(ParallelGPT):
         if stage == self.n_stages - 1:
             return self.output_layer(self.final_norm(x))
         return x
+
+    def stage_aux_loss(self, stage: int) -> torch.Tensor | None:
+        """The routers' auxiliary losses of stage `stage`'s MoE layers, from its last forward."""
+        found = [self.layers[str(i)].mlp.aux_loss for i in stage_layers(self.cfg, stage, self.n_stages)
+                 if self.cfg.is_moe_layer(i)]
+        return sum(found[1:], found[0]) if found else None
+
+    def moe_loss(self) -> torch.Tensor | float:
+        """The last stage's auxiliary losses: they join its loss. Every other stage's reach its
+        backward through carry_aux_loss (pipeline/executor.py); at pp = 1 this is every layer's."""
+        aux = self.stage_aux_loss(self.n_stages - 1) if self.holds_last else None
+        return 0.0 if aux is None else aux
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         """Every block, then the final norm: only on a rank that holds every stage (pp = 1)."""

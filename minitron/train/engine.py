@@ -86,9 +86,9 @@ def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     check_moe_grid(pcfg, mcfg)
-    if mcfg.n_experts and (schedule is not None or zero == 3):
-        raise ValueError("experts run without a pipeline and without ZeRO-3 so far: use --pp 1 "
-                         "and --zero 0, 1 or 2 with --experts")
+    if mcfg.n_experts and zero == 3:
+        raise ValueError("experts run without ZeRO-3 so far (its units gather no expert "
+                         "weights): use --zero 0, 1 or 2 with --experts")
     why = dtype_refusal(pcfg, mcfg, dtype, zero)
     if why:
         works = [name for name, d in DTYPES.items() if not dtype_refusal(pcfg, mcfg, d, zero)]

@@ -35,6 +35,10 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
     check_supported(parallel_config, model_config, dtype, zero, sched)
+    if model_config.capacity_factor is not None and sched is not None:
+        raise ValueError("a capacity factor inside pipeline stages drops tokens micro-batch by "
+                         "micro-batch, and verify compares the drops of the whole batch: use "
+                         "--capacity-factor with --pp 1, or dropless routing (no --capacity-factor)")
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len

@@ -39,9 +39,16 @@ def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
 
 
 def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.float32,
-                   loss_scale: float = 1.0):
+                   loss_scale: float = 1.0, microbatches: int = 1, replicas: int = 1):
     """The same on the reference: what GPT.forward does, with X kept. (loss_dtype=float64 makes
-    a float64 model exact up to float64 rounding: the oracle tests measure float32 against.)"""
+    a float64 model exact up to float64 rounding: the oracle tests measure float32 against.)
+
+    microbatches > 1 (experts inside pipeline stages): the routers' auxiliary losses are over
+    each micro-batch, as the split model's are, so the reference runs the same micro-batches:
+    micro-batch k is the k-th of every one of `replicas` data-parallel replicas' rows."""
+    if microbatches > 1:
+        return _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale,
+                                       microbatches, replicas)
     ref.rng.reset(step_seed)
     x = ref.embed(tokens)
     x.retain_grad()
@@ -49,6 +56,29 @@ def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.f
     loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets.flatten()) + ref.moe_loss()
     (loss * loss_scale).backward()
     return x, logits, loss
+
+
+def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale, m, replicas):
+    b = tokens.shape[0] // replicas
+    mb = b // m
+    x_all = torch.empty(*tokens.shape, ref.cfg.hidden, dtype=next(ref.parameters()).dtype,
+                        device=tokens.device)
+    logits_all, loss = None, 0.0
+    for k in range(m):
+        rows = torch.cat([torch.arange(r * b + k * mb, r * b + (k + 1) * mb) for r in range(replicas)])
+        ref.rng.reset(step_seed)
+        ref.rng.rows_at(rows)                     # the masks of those global rows
+        x = ref.embed(tokens[rows])
+        x.retain_grad()
+        logits = ref.run_layers(x) @ ref.output_weight().t()
+        part = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets[rows].flatten()) + ref.moe_loss()
+        (part * loss_scale / m).backward()
+        if logits_all is None:
+            logits_all = torch.empty(*tokens.shape, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        x_all[rows], logits_all[rows] = x.grad, logits.detach()
+        loss = loss + part.detach() / m
+    x_all.grad = x_all.clone()                   # what the callers read: dL/dX in row order
+    return x_all, logits_all, loss
 
 
 def _from_rank0(tensors: dict, grid) -> dict:
@@ -121,9 +151,15 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         grads = gather_state_dict(local_grads, mcfg, grid, placement)
         grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid, tied_across_stages,
                                      over_dp=not run.sharded_grads)
-        kept = [_gather_kept(m, grid, tokens.shape[0]) for m in model.moe_layers()]
+        # which (token, expert) pairs a capacity factor dropped: whole-batch routing, no pipeline
+        kept = [_gather_kept(m, grid, tokens.shape[0]) for m in model.moe_layers()] \
+            if run.schedule is None else []
         if lead:
-            ref_x, ref_logits, ref_loss = reference_step(ref, tokens, targets, step_seed, loss_scale=scale)
+            per_microbatch = run.schedule is not None and mcfg.n_experts   # the routers' losses
+            ref_x, ref_logits, ref_loss = reference_step(
+                ref, tokens, targets, step_seed, loss_scale=scale,
+                microbatches=run.schedule.microbatches if per_microbatch else 1,
+                replicas=grid.ep_dp.size)
             rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (out.loss, ref_loss),
                                     "dL/dX": (out.dx, ref_x.grad)}, tol)
             rows += drop_rows(step, kept, ref, tokens.shape)
