@@ -217,7 +217,7 @@ def test_a_cell_below_a_check_is_not_named_after_it():
 
 
 def test_learner_names_are_what_the_answer_cells_define():
-    assert report.learner_names(_solution("04")) == ["bubble_fraction", "one_f_one_b_rank"]
+    assert report.learner_names(_solution("04")) == ["idle_parts", "one_f_one_b_rank"]
     assert report.learner_names(_solution("10")) == ["rmsnorm_bwd_dx", "rmsnorm_bwd_dw", "attention_by_key_blocks"]
 
 
