@@ -318,7 +318,7 @@ def _running(pid: int) -> bool:
 
 
 def test_backend_can_be_chosen_by_environment(monkeypatch):
-    from minitron.runtime.launch import _pick_backend
+    from minitron.runtime.process_group import pick_backend as _pick_backend
     monkeypatch.setenv("MINITRON_BACKEND", "gloo")
     assert _pick_backend(1) == "gloo"
     monkeypatch.setenv("MINITRON_BACKEND", "mpi")

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..kernels import ops   # imports no triton until a kernel first runs
-from ..runtime.launch import _pick_backend
+from ..runtime.process_group import pick_backend
 from ..tensor_parallel.random import DropoutRNG
 from .config import ModelConfig
 from .reference import make_norm
@@ -111,7 +111,7 @@ def enable_kernels(mcfg: ModelConfig, world_size: int) -> str:
     process's environment here, before anything imports triton, and the forked ranks inherit
     it. Raises ValueError (before any rank starts) where the kernels still cannot run.
     """
-    if _pick_backend(world_size) == "nccl":
+    if pick_backend(world_size) == "nccl":
         check_kernels(mcfg, torch.device("cuda"))
         return "kernels=compiled Triton on the GPUs"
     os.environ["TRITON_INTERPRET"] = "1"

@@ -35,14 +35,11 @@ Failures never hang:
 """
 from __future__ import annotations
 
-import atexit
-import datetime
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import traceback
@@ -53,6 +50,8 @@ import torch.distributed as dist
 
 from . import comm
 from .deadline import Deadline, heartbeat
+from .process_group import (check_can_fork, free_port, init_process_group, launch_under_torchrun,
+                            pick_backend, under_torchrun)
 from .rank_output import append_only_file, capture_output, dumps_for_parent, read_log
 
 DEFAULT_TIMEOUT = float(os.environ.get("MINITRON_TIMEOUT", "120"))
@@ -71,13 +70,13 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
         raise RuntimeError("launch() was called inside a launched rank: call fn directly there")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if _under_torchrun():
-        return _launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout)
-    backend = backend or _pick_backend(world_size)
-    _check_can_fork(backend)
+    if under_torchrun():
+        return launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout)
+    backend = backend or pick_backend(world_size)
+    check_can_fork(backend)
     _import_before_forking()
     ranks = [_Rank(r, world_size, log=True) for r in range(world_size)]
-    port = _free_port()
+    port = free_port()
     try:  # a failed start, or Ctrl-C in a notebook, must not leave the started ranks behind
         for r in ranks:
             r.start(_child_main, (r.rank, world_size, port, backend, timeout, fn, args, kwargs))
@@ -160,7 +159,7 @@ def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn
     out = capture_output(log_fd)
     threading.Thread(target=heartbeat, args=(progress,), daemon=True).start()
     try:
-        _init(backend, rank, world_size, timeout)
+        init_process_group(backend, rank, world_size, timeout)
         publish("running")
         payload = ("ok", fn(*args, **kwargs))
     except BaseException:
@@ -292,24 +291,6 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-# ----------------------------------------------------------------------------------------
-# Process groups
-# ----------------------------------------------------------------------------------------
-def _pick_backend(world_size: int) -> str:
-    """MINITRON_BACKEND if set (the lessons set gloo: their numbers are CPU numbers), else
-    nccl when there is one GPU per rank, else gloo."""
-    chosen = os.environ.get("MINITRON_BACKEND")
-    if chosen:
-        if chosen not in ("gloo", "nccl"):
-            raise ValueError(f"MINITRON_BACKEND={chosen!r}: use 'gloo' or 'nccl'")
-        return chosen
-    # device_count() asks NVML; torch.cuda.is_available() would initialise the CUDA driver in
-    # this process, and a rank forked after that cannot use CUDA ("poison fork").
-    if torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
 def _import_before_forking() -> None:
     """torch imports torch._dynamo lazily (at an optimizer's construction, under a dispatch
     mode): 3 s of CPU in every forked rank of every launch that needs it. Once the ranks of a
@@ -317,64 +298,3 @@ def _import_before_forking() -> None:
     a process whose ranks never need it never pays for it."""
     if _ranks_import_dynamo:
         import torch._dynamo  # noqa: F401
-
-
-def _check_can_fork(backend: str) -> None:
-    """Ranks on GPUs need a parent that has not initialised CUDA (gloo ranks do not care)."""
-    if backend == "nccl" and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA was initialised in this process before launch(); a forked "
-                           "rank cannot inherit it. Do all CUDA work inside the launched "
-                           "function, pass backend='gloo', or run the script under torchrun.")
-
-
-def _init(backend: str, rank: int, world_size: int, timeout: float) -> None:
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    comm.TIMEOUT = datetime.timedelta(seconds=timeout)  # every later group gets it too
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-under_torchrun = _under_torchrun
-
-
-def end_of_run() -> None:
-    """Under torchrun, the last call of a script's every process (no-op otherwise): wait until
-    every rank has got here (rank 0 has written its summary and files), then tear the group
-    down. A process that then aborts while the interpreter exits ("terminate called without an
-    active exception", a gloo thread) makes torchrun kill the others, rank 0 mid-write; so
-    after this call the script should leave with os._exit, skipping that teardown."""
-    if _under_torchrun() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout):
-    world = int(os.environ["WORLD_SIZE"])
-    if world != world_size:
-        raise ValueError(f"torchrun started {world} processes but launch() asked for "
-                         f"world_size={world_size}: make them agree (torchrun --nproc-per-node ...)")
-    if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        _init(backend, int(os.environ["RANK"]), world, timeout)
-        # A group still alive when the interpreter exits can abort the process ("terminate
-        # called without an active exception", about one run in three with gloo): tear it down.
-        atexit.register(_destroy_at_exit)
-    result = fn(*args, **kwargs)
-    results: list[Any] = [None] * world
-    dist.all_gather_object(results, result)
-    return results
-
-
-def _destroy_at_exit() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()

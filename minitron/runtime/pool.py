@@ -11,9 +11,9 @@ import traceback
 from typing import Any, Callable
 
 from .deadline import Deadline, heartbeat
-from .launch import (DEFAULT_TIMEOUT, RankError, _check_can_fork, _enter_rank, _exit_reason,
-                     _free_port, _init, _pick_backend, _raise_if_a_peer_died,
+from .launch import (DEFAULT_TIMEOUT, RankError, _enter_rank, _exit_reason, _raise_if_a_peer_died,
                      _raise_if_a_peer_stalled, _Rank)
+from .process_group import check_can_fork, free_port, init_process_group, pick_backend
 from .rank_output import dumps_for_parent
 
 
@@ -28,13 +28,13 @@ class WorkerPool:
     def __init__(self, world_size: int, backend: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT):
         self.world_size, self.timeout = world_size, timeout
-        self.backend = backend or _pick_backend(world_size)
+        self.backend = backend or pick_backend(world_size)
         self.ranks: list[_Rank] = []
 
     def _start(self):
-        _check_can_fork(self.backend)
+        check_can_fork(self.backend)
         self.ranks = [_Rank(r, self.world_size) for r in range(self.world_size)]
-        port = _free_port()
+        port = free_port()
         try:
             for r in self.ranks:
                 r.start(_pool_main, (r.rank, self.world_size, port, self.backend, self.timeout))
@@ -98,7 +98,7 @@ def _pool_main(rank, world_size, port, backend, timeout, conn, status, progress,
     # Output is not captured: pytest captures it per test (log_fd is None: pool ranks have none).
     publish = _enter_rank(rank, world_size, port, status, progress, parent_pid)
     threading.Thread(target=heartbeat, args=(progress,), daemon=True).start()
-    _init(backend, rank, world_size, timeout)
+    init_process_group(backend, rank, world_size, timeout)
     while True:
         publish("waiting for a job")
         try:

@@ -2,11 +2,11 @@
 import os
 import sys
 
-from ..runtime.launch import under_torchrun
+from ..runtime.process_group import under_torchrun
 from .cli import main
 
 code = main()
-if under_torchrun():    # leave without the interpreter's teardown (launch.end_of_run)
+if under_torchrun():    # leave without the interpreter's teardown (process_group.end_of_run)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

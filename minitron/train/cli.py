@@ -29,7 +29,8 @@ import torch
 from . import checkpoint, data
 from ..estimate import flops
 from ..grid import CP_VARIANTS, ParallelConfig
-from ..runtime.launch import RankError, end_of_run, launch
+from ..runtime.launch import RankError, launch
+from ..runtime.process_group import end_of_run
 from ..model.config import CHOICES, ConfigError, ModelConfig, check_number
 from ..model.fused import enable_kernels
 from ..model.convert import gather_state_dict
