@@ -15,7 +15,7 @@ from . import __doc__ as VERIFY_DOC
 from .plants import Plant
 from ..train.cli import UsageError, _Parser
 from ..train.engine import check_supported, resolve_schedule, uses_engine
-from .run import check_kernels_dtype, split_batch, verify
+from .run import check_comparable, check_kernels_dtype, split_batch, verify
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
 
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         Plant(args.plant)
         dtype = getattr(torch, args.dtype)
         check_supported(pcfg, mcfg, dtype, args.zero, sched)
+        check_comparable(mcfg, sched)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
             check_kernels_dtype(dtype)

@@ -35,10 +35,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
     check_supported(parallel_config, model_config, dtype, zero, sched)
-    if model_config.capacity_factor is not None and sched is not None:
-        raise ValueError("a capacity factor inside pipeline stages drops tokens micro-batch by "
-                         "micro-batch, and verify compares the drops of the whole batch: use "
-                         "--capacity-factor with --pp 1, or dropless routing (no --capacity-factor)")
+    check_comparable(model_config, sched)
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
@@ -53,6 +50,14 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
                   plant, sched, zero, world_size=parallel_config.world_size, timeout=timeout)[0]
     return Report(rows)
+
+
+def check_comparable(mcfg: ModelConfig, sched) -> None:
+    """What the engine runs but verify cannot compare with one device (ValueError)."""
+    if mcfg.capacity_factor is not None and sched is not None:
+        raise ValueError("a capacity factor inside pipeline stages drops tokens micro-batch by "
+                         "micro-batch, and verify compares the drops of the whole batch: use "
+                         "--capacity-factor with --pp 1, or dropless routing (no --capacity-factor)")
 
 
 def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> int:
