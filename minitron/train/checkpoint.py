@@ -34,7 +34,6 @@ DCP's own plan exchange talks through torch.distributed directly, not minitron.r
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -47,6 +46,7 @@ from ..runtime import comm
 from .checkpoint_pieces import (_local_to_state, _state_to_local, _write_weights, local_weights,
                                 placements)
 from .checkpoint_planners import CheckpointError, PlacedLoadPlanner, PlacedSavePlanner
+from .data import sha256_file
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -64,14 +64,6 @@ def _world(grid) -> comm.Group:
 def _die_if_planted(point: str, rank: int) -> None:
     if FAULT_AT is not None and FAULT_AT == (point, rank):
         os._exit(17)                      # a rank killed mid-save (tests)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra: dict | None = None) -> None:
@@ -99,7 +91,7 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
     comm.barrier(_world(grid))
     if grid.rank == 0:
         paths = {f: os.path.join(partial, f) for f in sorted(os.listdir(partial))}
-        files = {f: {"bytes": os.path.getsize(p), "sha256": _sha256(p)} for f, p in paths.items()}
+        files = {f: {"bytes": os.path.getsize(p), "sha256": sha256_file(p)} for f, p in paths.items()}
         manifest = {"format": FORMAT, "model": dataclasses.asdict(model.cfg),
                     "parallel": dataclasses.asdict(grid.config), "step": step,
                     "dropout_seed": model.rng.seed, "dtype": str(next(model.parameters()).dtype),
@@ -163,7 +155,7 @@ def read_manifest(path: str) -> dict:
         if os.path.getsize(f) != want["bytes"]:
             raise CheckpointError(f"{f} has {os.path.getsize(f)} bytes, the manifest says "
                                   f"{want['bytes']}: truncated or overwritten")
-        if _sha256(f) != want["sha256"]:
+        if sha256_file(f) != want["sha256"]:
             raise CheckpointError(f"{f} is corrupted: its sha256 differs from the manifest's")
     return manifest
 

@@ -50,7 +50,7 @@ def prepare(text_path: str, token_path: str, seq: int | None = None) -> np.memma
         raise ValueError(f"corpus {text_path} does not exist: pass --corpus PATH to a text file")
     size = os.path.getsize(text_path)
     check_long_enough(text_path, size, seq)
-    key = {"source": os.path.abspath(text_path), "bytes": size, "sha256": _sha256(text_path)}
+    key = {"source": os.path.abspath(text_path), "bytes": size, "sha256": sha256_file(text_path)}
     key_path = token_path + ".source.json"
     if not (_read_key(key_path) == key and os.path.isfile(token_path)
             and os.path.getsize(token_path) == size):
@@ -82,7 +82,8 @@ def check_long_enough(text_path: str, n_tokens: int, seq: int | None, held_out: 
                      f"bytes{shorter}")
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """The file's SHA-256, read a MiB at a time (the corpus cache's key, checkpoints' checksums)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
