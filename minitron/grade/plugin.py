@@ -47,7 +47,7 @@ sys.modules.setdefault("rfc3987_syntax", None)
 try:
     from nbval import kernel as _nbval_kernel
     from nbval import plugin as _nbval
-except ImportError:  # pragma: no cover - grade.py reports a missing nbval when no record is written
+except ImportError:  # pragma: no cover - grade/cli.py reports a missing nbval when no record is written
     _nbval = None
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
