@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from minitron.grade import cli as grader
+from minitron.grade import recorded
 from minitron.grade import report
 from notebook_files import cleared, save
 from minitron.grade.report import code_cells, root_exception
@@ -125,12 +126,12 @@ def test_stamp_records_the_torch_version_and_nothing_else(tmp_path):
     path = save(DEMO, tmp_path / "07_demo.ipynb")
     assert grader.main(["--stamp", "--torch", "2.99.0", str(path)]) == 0
     stamped = json.loads(path.read_text())
-    assert grader.recorded_torch(stamped) == "2.99.0"
+    assert recorded.recorded_torch(stamped) == "2.99.0"
     assert stamped["metadata"].pop("minitron") == {"recorded_with": {"torch": "2.99.0"}}
     assert stamped == DEMO
-    grader.stamp(path)
-    assert grader.recorded_torch(json.loads(path.read_text())) == grader.torch_version()
-    assert grader.torch_line({path: json.loads(path.read_text())}) is None
+    recorded.stamp(path)
+    assert recorded.recorded_torch(json.loads(path.read_text())) == recorded.torch_version()
+    assert recorded.torch_line({path: json.loads(path.read_text())}) is None
 
 
 def test_a_kernel_that_died_starting_is_graded_again(tmp_path, monkeypatch):

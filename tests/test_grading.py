@@ -34,6 +34,7 @@ import pytest
 from nbclient import NotebookClient
 
 from minitron.grade import cli as grader
+from minitron.grade import recorded
 from notebook_files import cleared, save
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -135,7 +136,7 @@ def _prepare(name: str, tmp: pathlib.Path) -> dict:
     solved = with_answers(exercise, solution, {})
     next(c for c in solved["cells"] if c.get("id") == edited["id"])["source"] = (
         'raise RuntimeError("the learner\'s edited check cell ran")\n')
-    grader.stamp(save(solution, tmp / "solutions" / name), OTHER_TORCH)
+    recorded.stamp(save(solution, tmp / "solutions" / name), OTHER_TORCH)
     planted_nb, planted_path = with_answers(exercise, solution, wrong.WRONG), tmp / "planted" / name
     if name != EXECUTED:
         save(with_outputs_of(planted_nb, solution), planted_path)
@@ -281,6 +282,6 @@ def test_another_torch_is_said_once_before_the_results(name, graded):
 
 def test_every_solution_records_its_torch_version():
     unstamped = [n for n in NAMES
-                 if not grader.recorded_torch(json.loads((ROOT / "solutions" / n).read_text()))]
+                 if not recorded.recorded_torch(json.loads((ROOT / "solutions" / n).read_text()))]
     assert not unstamped, (f"{unstamped} do not record the torch their outputs were made with: after "
                            "re-executing, run python -m minitron.grade --stamp solutions/*.ipynb")

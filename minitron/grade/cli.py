@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minitron.grade import report
+from minitron.grade.recorded import stamp, torch_line, torch_version
 from minitron.grade.report import is_answer_cell, source  # noqa: F401  (tests use grade.*)
 
 COURSE = Path(__file__).resolve().parents[2]   # the course: minitron/grade/cli.py -> the root
@@ -114,35 +115,6 @@ def reference_for(learner: Path, solutions: Path) -> Path | None:
     number = learner.name.split("_", 1)[0] + "_"
     found = sorted(solutions.glob(number + "*.ipynb")) if number[:-1].isdigit() else []
     return found[0] if len(found) == 1 else None
-
-
-def recorded_torch(reference: dict) -> str | None:
-    return reference.get("metadata", {}).get("minitron", {}).get("recorded_with", {}).get("torch")
-
-
-def torch_version() -> str:
-    import torch
-    return torch.__version__.split("+")[0]
-
-
-def stamp(path: Path, torch: str | None = None) -> None:
-    """Record in a reference notebook which torch its stored outputs were produced with."""
-    nb = json.loads(path.read_text())
-    nb.setdefault("metadata", {}).setdefault("minitron", {})["recorded_with"] = {
-        "torch": torch or torch_version()}
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
-
-
-def torch_line(references: dict[Path, dict]) -> str | None:
-    """One line when this torch differs from the one a reference was recorded with."""
-    mine = torch_version()
-    recorded = {v for v in (recorded_torch(nb) for nb in references.values()) if v}
-    other = sorted(v for v in recorded if v != mine)
-    if not other:
-        return None
-    return (f"note: you have torch {mine}; the reference outputs were recorded with torch "
-            f"{', '.join(other)}: a printed figure that depends on torch may differ from the "
-            "reference for a right answer (verdicts should not)")
 
 
 KERNEL_START_FAILED = "Kernel died before replying to kernel_info"
