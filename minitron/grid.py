@@ -43,7 +43,7 @@ from itertools import product
 import torch
 import torch.distributed as dist
 
-from .runtime import comm
+from .runtime import comm, placement
 from .runtime.comm import Group
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest first
@@ -77,10 +77,12 @@ class ParallelConfig:
     # "ring" (K/V passed around, overlapped), "allgather" (gathered once), "ulysses" (all-to-all
     # to a head split; heads/tp must divide by cp)
     cp_variant: str = "ring"
+    # devices per node: which groups leave one (minitron/runtime/placement.py); not part of the split
+    gpus_per_node: int = dataclasses.field(default=8, repr=False, compare=False)
 
     def __post_init__(self):
         from .model.config import ConfigError   # here: minitron.model imports this module
-        for name in (*DIMS, "virtual_pp"):
+        for name in (*DIMS, "virtual_pp", "gpus_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError("{%s} must be a positive integer" % name, {name: value}, [{name: 1}],
@@ -128,6 +130,10 @@ class ParallelConfig:
                        for inner in product(*(range(getattr(self, d)) for d in dims))]
             groups.append(sorted(members))
         return sorted(groups)  # listed by first rank, as Megatron prints them: [[0,1],[2,3],...]
+
+    def node_crossing_groups(self) -> dict[str, list[list[int]]]:
+        """Each group kind's groups whose ranks sit on more than one node (runtime/placement.py)."""
+        return placement.crossing_groups(self)
 
     def embedding_ranks(self) -> list[list[int]]:
         """First and last pipeline stage of every pipeline (one rank when pp == 1)."""
@@ -237,6 +243,8 @@ class Grid:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = world
         self.coords = config.coords(self.rank)
+        if self.rank == 0:
+            placement.warn_if_tp_crosses_nodes(config)   # a TP group spanning nodes: one line
         self.device = _default_device()
         self.groups: dict[str, Group] = {}
         for name, dims in GROUP_DIMS.items():

@@ -10,6 +10,7 @@ import torch
 from ..grid import CP_VARIANTS, ParallelConfig, validate_model
 from ..model.config import CHOICES, ConfigError, ModelConfig, check_adamw
 from ..model.fused import enable_kernels
+from ..runtime import placement
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
@@ -39,6 +40,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
   python -m minitron.verify --ep 2 --dp 2 --experts 4
+  python -m minitron.verify --tp 8 --dp 2 --gpus-per-node 4 --explain   which groups leave a node
 
 exit status: 0 PASS, 1 FAIL, 2 bad options"""
 
@@ -113,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="every combination of tp, pp, dp, cp, ep in {1, 2} on at most 8 ranks, one "
                         "row each (minitron/verify/matrix.py); the other options are ignored")
     r.add_argument("--quick", action="store_true", help="with --matrix: a representative subset")
+    r.add_argument("--explain", action="store_true",
+                   help="print each group kind's ranks and whether it stays inside a node "
+                        "(minitron/runtime/placement.py), then exit without starting ranks")
+    r.add_argument("--gpus-per-node", type=_positive, default=8,
+                   help="devices per node, for --explain and the warning when a tp group spans nodes")
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--hidden", type=int, default=64)
@@ -152,10 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
         pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
-                              cp_variant=args.cp_variant)
+                              cp_variant=args.cp_variant, gpus_per_node=args.gpus_per_node)
         sched = resolve_schedule(pcfg, args.schedule, args.microbatches)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
+        if placement.tp_warning(pcfg):
+            print(f"warning: {placement.tp_warning(pcfg)}", file=sys.stderr)
+        if args.explain:
+            print(placement.explain(pcfg))
+            return 0
         batch = split_batch(args.batch, pcfg, sched, "--batch")
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
                            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
