@@ -82,7 +82,7 @@ def test_explain_prints_every_kind_and_starts_no_rank(capsys, monkeypatch):
 def test_explain_inside_one_node():
     text = placement.explain(ParallelConfig(tp=2, cp=2, pp=2))
     assert "CROSSES" not in text
-    assert "tp            4 x 2   inside a node              [0, 1], [2, 3], [4, 5], [6, 7]" in text
+    assert "tp              4 x 2   inside a node              [0, 1], [2, 3], [4, 5], [6, 7]" in text
 
 
 def test_bad_gpus_per_node_exits_2(capsys):

@@ -78,24 +78,33 @@ def warn_if_tp_crosses_nodes(cfg) -> None:
         warnings.warn(message, PlacementWarning, stacklevel=3)   # points at the Grid(...) line
 
 
-def explain(cfg) -> str:
+def explain(cfg, expert_layout: str = "minitron", expert_tp: int | None = None) -> str:
     """Each group kind: how many groups of how many ranks, whether every one stays inside a node,
-    and its ranks (the first SHOWN_GROUPS groups)."""
+    and its ranks (the first SHOWN_GROUPS groups). With expert_layout="megatron-core" the expert
+    groups of Megatron-Core's second rank generator follow (minitron/moe/expert_layout.py)."""
     g = cfg.gpus_per_node
     nodes = -(-cfg.world_size // g)
     lines = [f"{cfg.world_size} ranks on {nodes} node{'s' * (nodes > 1)} of {g} GPUs "
              f"(tp={cfg.tp} cp={cfg.cp} ep={cfg.ep} dp={cfg.dp} pp={cfg.pp}, tp fastest)"]
-    for name, groups in group_kinds(cfg).items():
-        size = "/".join(str(s) for s in sorted({len(ranks) for ranks in groups}))
-        if size == "1":                       # nothing travels in a group of one rank
-            lines.append(f"  {name:<10} {len(groups):>4} x 1   one rank each: no traffic")
-            continue
-        spans = max(nodes_spanned(ranks, g) for ranks in groups)
-        where = "inside a node" if spans == 1 else f"CROSSES nodes (up to {spans})"
-        shown = ", ".join(_short(ranks) for ranks in groups[:SHOWN_GROUPS])
-        more = f", ... {len(groups) - SHOWN_GROUPS} more" if len(groups) > SHOWN_GROUPS else ""
-        lines.append(f"  {name:<10} {len(groups):>4} x {size:<3} {where:<26} {shown}{more}")
+    lines += [_row(name, groups, g) for name, groups in group_kinds(cfg).items()]
+    if expert_layout != "minitron" or expert_tp is not None:
+        from ..moe.expert_layout import expert_groups    # here: moe imports the grid, which imports us
+        experts = expert_groups(cfg, expert_layout, expert_tp)
+        lines.append(f"expert groups, {expert_layout} layout (expert tp {len(experts['expert_tp'][0])}, "
+                     f"expert dp {len(experts['expert_dp'][0])}):")
+        lines += [_row(name, groups, g) for name, groups in experts.items()]
     return "\n".join(lines)
+
+
+def _row(name: str, groups: list[list[int]], gpus_per_node: int) -> str:
+    size = "/".join(str(s) for s in sorted({len(ranks) for ranks in groups}))
+    if size == "1":                           # nothing travels in a group of one rank
+        return f"  {name:<12} {len(groups):>4} x 1   one rank each: no traffic"
+    spans = max(nodes_spanned(ranks, gpus_per_node) for ranks in groups)
+    where = "inside a node" if spans == 1 else f"CROSSES nodes (up to {spans})"
+    shown = ", ".join(_short(ranks) for ranks in groups[:SHOWN_GROUPS])
+    more = f", ... {len(groups) - SHOWN_GROUPS} more" if len(groups) > SHOWN_GROUPS else ""
+    return f"  {name:<12} {len(groups):>4} x {size:<3} {where:<26} {shown}{more}"
 
 
 def _short(ranks: list[int]) -> str:

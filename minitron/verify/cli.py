@@ -10,6 +10,7 @@ import torch
 from ..grid import CP_VARIANTS, ParallelConfig, validate_model
 from ..model.config import CHOICES, ConfigError, ModelConfig, check_adamw
 from ..model.fused import enable_kernels
+from ..moe.expert_layout import EXPERT_LAYOUTS
 from ..runtime import placement
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
@@ -41,6 +42,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
   python -m minitron.verify --ep 2 --dp 2 --experts 4
   python -m minitron.verify --tp 8 --dp 2 --gpus-per-node 4 --explain   which groups leave a node
+  python -m minitron.verify --tp 2 --cp 2 --ep 2 --explain --expert-layout megatron-core --expert-tp 1
 
 exit status: 0 PASS, 1 FAIL, 2 bad options"""
 
@@ -65,7 +67,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "n_experts": "--experts", "topk": "--topk", "moe_every": "--moe-every",
          "capacity_factor": "--capacity-factor", "router_pre_softmax": "--pre-softmax",
          "aux_loss_coeff": "--aux-loss", "z_loss_coeff": "--z-loss", "lr": "--lr", "eps": "--eps",
-         "dtype": "--dtype"}
+         "dtype": "--dtype", "expert_tp": "--expert-tp", "expert_layout": "--expert-layout"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--explain", action="store_true",
                    help="print each group kind's ranks and whether it stays inside a node "
                         "(minitron/runtime/placement.py), then exit without starting ranks")
+    r.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="minitron",
+                   help="with --explain: also the expert groups of this layout (megatron-core: "
+                        "minitron/moe/expert_layout.py); the runs use minitron's")
+    r.add_argument("--expert-tp", type=_positive, default=None,
+                   help="with --explain --expert-layout megatron-core: the experts' own tp size "
+                        "(default --tp)")
     r.add_argument("--gpus-per-node", type=_positive, default=8,
                    help="devices per node, for --explain and the warning when a tp group spans nodes")
     m = p.add_argument_group("model")
@@ -165,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
         if placement.tp_warning(pcfg):
             print(f"warning: {placement.tp_warning(pcfg)}", file=sys.stderr)
+        if not args.explain and (args.expert_layout != "minitron" or args.expert_tp is not None):
+            raise ValueError("--expert-layout and --expert-tp are shown by --explain; the runs "
+                             "use minitron's layout: add --explain or drop them")
         if args.explain:
-            print(placement.explain(pcfg))
+            print(placement.explain(pcfg, args.expert_layout, args.expert_tp))
             return 0
         batch = split_batch(args.batch, pcfg, sched, "--batch")
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
