@@ -71,9 +71,6 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:
     """Why a run of this grid and model cannot be in `dtype` (and be compared with one device),
     or None. One rule, so that every refusal names the same dtypes that work."""
-    if mcfg.n_experts and dtype in SIXTEEN_BIT:
-        return ("a 16-bit router's top-k choice flips on the rounding differences between the two "
-                "sides (a discontinuity no tolerance covers)")
     if dtype == torch.float64 and uses_engine(pcfg, zero, dtype):
         return ("the data-parallel engine (dp > 1, ep > 1 or a ZeRO stage) steps float32 master "
                 "weights (ZeroOptimizer)")

@@ -41,6 +41,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
   python -m minitron.verify --ep 2 --dp 2 --experts 4
+  python -m minitron.verify --ep 2 --experts 4 --dtype bfloat16 --reference-routing
   python -m minitron.verify --tp 8 --dp 2 --gpus-per-node 4 --explain   which groups leave a node
   python -m minitron.verify --tp 2 --cp 2 --ep 2 --explain --expert-layout megatron-core --expert-tp 1
 
@@ -150,6 +151,11 @@ def _parser() -> argparse.ArgumentParser:
                         "default dropless")
     e.add_argument("--pre-softmax", action="store_true", help="softmax over all experts, then top-k")
     e.add_argument("--aux-loss", type=float, default=0.01, help="Switch load-balancing coefficient")
+    e.add_argument("--reference-routing", action="store_true",
+                   help="the split model's routers take the reference's (token, expert) choices, "
+                        "so a rounding flip of a top-k (16-bit) does not end the comparison; "
+                        "without it a 16-bit run counts the choices that differ "
+                        "(minitron/verify/routing.py)")
     e.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss coefficient")
     return p
 
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         Plant(args.plant)
         dtype = getattr(torch, args.dtype)
         check_supported(pcfg, mcfg, dtype, args.zero, sched)
-        check_comparable(mcfg, sched)
+        check_comparable(mcfg, sched, dtype, args.reference_routing)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
             check_kernels_dtype(dtype)
@@ -209,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
           f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
                     batch=batch, plant=args.plant, schedule=args.schedule,
-                    microbatches=args.microbatches, zero=args.zero)
+                    microbatches=args.microbatches, zero=args.zero,
+                    reference_routing=args.reference_routing)
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1

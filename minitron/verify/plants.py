@@ -4,7 +4,8 @@
 Each plant breaks one thing at one point of a step and should be caught by exactly one kind of
 row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
 tensor's update, or in one logit; in the pipeline executor, a gradient delivered to the wrong
-stage or a W dropped; in an MoE layer, a wrong split size or an unpermute off by one.
+stage or a W dropped; in an MoE layer, a wrong split size, an unpermute off by one or a
+token sent to the wrong expert.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ PLANTS = {
                  "local expert is run by the next (minitron/moe/dispatch.py)",
     "moe-unpermute": "experts: undoing the regrouping is off by one row, so expert outputs return "
                      "to the wrong tokens",
+    "moe-route": "experts: each rank sends its first token's first choice to an expert the router "
+                 "did not choose (a token sent to the wrong expert)",
 }
 
 
