@@ -30,9 +30,6 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     if not hasattr(model, "layers"):
         raise ValueError("ZeroStage3 needs units= (the modules to gather one at a time) for a "
                          "model without .layers")
-    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        raise ValueError("ZeroStage3 gathers the embedding unit for the embedding's forward only, "
-                         "but a tied output layer reuses its weight later: use tie_embeddings=False")
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     first = [model.embedding] if hasattr(model, "embedding") else []
     last = [getattr(model, name) for name in ("final_norm", "lm_head") if hasattr(model, name)]
@@ -70,6 +67,7 @@ class _Unit:
         self.shard = self.full[self.range[0]:self.range[1]].clone()   # ZeroStage3 re-homes these
         self.grad_shard = torch.zeros_like(self.shard)
         self.gathered = True
+        self.held = False     # a weight used twice (tied embedding): gathered until its reduce
         self.contributions = {p: 0 for p in params}   # gradients in this step, per parameter
         self.reduced = 0                                # micro-batches reduce-scattered so far
         # A group of one: the shard is the whole unit, so there is nothing to gather or free
@@ -90,7 +88,7 @@ class _Unit:
         if min(self.contributions.values()) > self.reduced:
             self.reduce_grads(scale)
             self.reduced += 1
-            self.free()
+            self.free(force=True)
 
     def gather(self) -> None:
         if self.gathered or not self.sharded:
@@ -99,8 +97,9 @@ class _Unit:
         comm_async.all_gather(self.shard, self.group, out=self.full).wait()
         self.gathered = True
 
-    def free(self) -> None:
-        if not self.sharded:
+    def free(self, force: bool = False) -> None:
+        """Drop the gathered weights (a held unit only when its gradients are sent: `force`)."""
+        if not self.sharded or (self.held and not force):
             return
         self.full.untyped_storage().resize_(0)
         self.gathered = False
@@ -148,6 +147,17 @@ class ZeroStage3(GradientEngine):
     (one reduce-scatter, but 2Ψ of full gradients alive all step: ZeRO-2's memory). no_sync()
     is therefore a no-op: there is nothing to hold back.
 
+    Tied embeddings (pp = 1): the word embedding has one owner, the embedding unit, and two
+    uses, the lookup and the output layer (ParallelGPT.output_layer reads the same tensor).
+    That unit is "held": gathered by the embedding's forward, it stays gathered through the
+    output layer's forward and backward and the lookup's backward, and is freed only once its
+    gradients are reduce-scattered. Autograd sums both uses' gradients into the one .grad
+    before the parameter's post-accumulate hook fires, so one reduce-scatter sends their sum.
+    The price: the V/tp x h table stays whole for the micro-batch (DeepSpeed keeps such
+    parameters "persistent" too), and it is gathered once per micro-batch, not twice:
+    (3m - m * bytes(embedding)/bytes(Ψ)) (N-1)/N * bytes(Ψ) per rank per step. Inside pipeline
+    stages the two uses sit on different ranks or interleave across micro-batches: refused.
+
     Pipelines (PipelineGPT: only this rank's stages; one unit per layer it holds) need nothing
     more: a stage runs its units' forwards m times and their backwards m times, each with its
     own gather. B/W-split schedules (zero bubble, tensor_parallel/weight_grad.py): B needs the
@@ -193,6 +203,12 @@ class ZeroStage3(GradientEngine):
             if not u.sharded:
                 u.share_shard()
         self.unit_of = {p: u for u in self.units for p in u.params}
+        if getattr(model.cfg, "tie_embeddings", False):    # the tied weight: see the class doc
+            if getattr(model, "n_stages", 1) > 1:
+                raise ValueError("ZeroStage3 holds a tied embedding gathered from the embedding's "
+                                 "forward to its reduce-scatter; inside pipeline stages its two "
+                                 "uses sit on other stages or interleave: use tie_embeddings=False")
+            self.unit_of[model.embedding.word.weight].held = True
         self._hooks = []
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(
@@ -239,7 +255,7 @@ class ZeroStage3(GradientEngine):
         for u in self.units:
             if any(p.grad is not None for p in u.params):   # a parameter that got no gradient
                 u.reduce_grads(self.scale)
-            u.free()
+            u.free(force=True)
             u.reset()
         sum_sequence_parallel_grads(self, self.grid)
 

@@ -94,9 +94,9 @@ def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
     if not uses_engine(pcfg, zero, dtype):
         return
     refusals = [
-        (zero == 3 and mcfg.tie_embeddings, "ZeRO-3 gathers the embedding for its own forward "
-                                            "only, a tied output layer reuses it later: untie "
-                                            "the embeddings (drop --tie) or use ZeRO 0-2"),
+        (zero == 3 and mcfg.tie_embeddings and schedule is not None,
+         "ZeRO-3 holds a tied embedding gathered through each micro-batch; inside pipeline "
+         "stages its two uses sit on other stages or interleave: drop --tie, use ZeRO 0-2 or --pp 1"),
         (dtype == torch.float16 and schedule is not None, "the pipeline executor takes no loss "
                                                           "scale: use bfloat16 with a pipeline"),
     ]
