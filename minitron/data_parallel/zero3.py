@@ -148,15 +148,12 @@ class ZeroStage3(GradientEngine):
     is therefore a no-op: there is nothing to hold back.
 
     Tied embeddings (pp = 1): the word embedding has one owner, the embedding unit, and two
-    uses, the lookup and the output layer (ParallelGPT.output_layer reads the same tensor).
-    That unit is "held": gathered by the embedding's forward, it stays gathered through the
-    output layer's forward and backward and the lookup's backward, and is freed only once its
-    gradients are reduce-scattered. Autograd sums both uses' gradients into the one .grad
-    before the parameter's post-accumulate hook fires, so one reduce-scatter sends their sum.
-    The price: the V/tp x h table stays whole for the micro-batch (DeepSpeed keeps such
-    parameters "persistent" too), and it is gathered once per micro-batch, not twice:
-    (3m - m * bytes(embedding)/bytes(Ψ)) (N-1)/N * bytes(Ψ) per rank per step. Inside pipeline
-    stages the two uses sit on different ranks or interleave across micro-batches: refused.
+    uses, the lookup and the output layer. That unit is "held": gathered by the lookup's
+    forward, freed only once its gradients are reduce-scattered. Autograd sums both uses'
+    gradients into the one .grad before the post-accumulate hook fires, so one reduce-scatter
+    sends their sum. The price: the V/tp x h table stays whole through the micro-batch; it is
+    gathered once per micro-batch, not twice (tests/test_zero3_tied.py counts the bytes).
+    Inside pipeline stages the two uses sit on other ranks or interleave: refused.
 
     Pipelines (PipelineGPT: only this rank's stages; one unit per layer it holds) need nothing
     more: a stage runs its units' forwards m times and their backwards m times, each with its
@@ -205,9 +202,8 @@ class ZeroStage3(GradientEngine):
         self.unit_of = {p: u for u in self.units for p in u.params}
         if getattr(model.cfg, "tie_embeddings", False):    # the tied weight: see the class doc
             if getattr(model, "n_stages", 1) > 1:
-                raise ValueError("ZeroStage3 holds a tied embedding gathered from the embedding's "
-                                 "forward to its reduce-scatter; inside pipeline stages its two "
-                                 "uses sit on other stages or interleave: use tie_embeddings=False")
+                raise ValueError("ZeroStage3 holds a tied embedding gathered through a micro-batch; "
+                                 "inside pipeline stages: use tie_embeddings=False")
             self.unit_of[model.embedding.word.weight].held = True
         self._hooks = []
         for u in self.units:
