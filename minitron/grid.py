@@ -77,6 +77,9 @@ class ParallelConfig:
     # "ring" (K/V passed around, overlapped), "allgather" (gathered once), "ulysses" (all-to-all
     # to a head split; heads/tp must divide by cp)
     cp_variant: str = "ring"
+    # Hide SP's all-gather / reduce-scatter behind the column / row GEMMs, chunk by chunk
+    # around a ring (minitron/tensor_parallel/overlap.py); the same bytes, the same numbers
+    tp_comm_overlap: bool = False
 
     def __post_init__(self):
         from .model.config import ConfigError   # here: minitron.model imports this module
@@ -93,6 +96,13 @@ class ParallelConfig:
                               "tensor-parallel group, so it needs tp > 1, not {tp}",
                               {"sequence_parallel": True, "tp": 1},
                               [{"tp": 2}, {"sequence_parallel": False}])
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ConfigError("{tp_comm_overlap} hides sequence parallelism's all-gather and "
+                              "reduce-scatter behind the GEMMs beside them, and there are none "
+                              "with {sequence_parallel}",
+                              {"tp_comm_overlap": True, "sequence_parallel": False},
+                              [{"sequence_parallel": True, **({"tp": 2} if self.tp == 1 else {})},
+                               {"tp_comm_overlap": False}])
 
     @property
     def world_size(self) -> int:
@@ -264,6 +274,10 @@ class Grid:
     @property
     def sequence_parallel(self) -> bool:
         return self.config.sequence_parallel
+
+    @property
+    def tp_comm_overlap(self) -> bool:
+        return self.config.tp_comm_overlap
 
     @property
     def is_first_stage(self) -> bool:
