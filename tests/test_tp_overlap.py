@@ -125,3 +125,27 @@ def test_refused_without_sequence_parallelism(capsys, monkeypatch):
     assert train_cli.main(["--tp", "2", "--tp-comm-overlap", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "use --sp or drop --tp-comm-overlap" in err, err
+
+
+def test_bench_figures_from_a_timeline():
+    """GEMM chunks 0-4 and 5-9 ms; a message 1-6 ms (4 of 5 inside a GEMM), one 9-11 (none)."""
+    from minitron.bench import tp_overlap
+    events = [("gemm", "a chunk 0", 0.0, 4.0), ("comm", "a message 0", 1.0, 6.0),
+              ("gemm", "a chunk 1", 5.0, 9.0), ("comm", "b message 0", 9.0, 11.0)]
+    figures = tp_overlap.summarize({"span": (0.0, 12.0), "events": events})
+    assert figures == pytest.approx({"step": 12.0, "comm": 7.0, "inside": 4.0, "exposed": 3.0,
+                                     "gemm": 8.0, "hidden": 4 / 7})
+    lines = tp_overlap.timeline({"span": (0.0, 12.0), "events": events}, width=12)
+    assert [line.split("|")[0].strip() for line in lines] == [
+        "GEMM a chunk 0", "a message 0", "GEMM a chunk 1", "b message 0"]
+    assert lines[1].split("|")[1] == " " + "#" * 5 + " " * 6
+
+
+def test_bench_runs_and_reports(capsys):
+    from minitron.bench import tp_overlap
+    tiny = {"batch": 1, "seq": 16, "hidden": 32, "ffn": 64}
+    figures = tp_overlap.run(tiny, repeats=1)
+    out = capsys.readouterr().out
+    assert 0.0 <= figures["hidden"] <= 1.0
+    assert "TP communication hidden behind the GEMMs" in out and "plain SP" in out, out
+    assert out.count("  GEMM ") == 8 and out.count(" message 0 ") == 4, out
