@@ -130,15 +130,18 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tp", type=int, default=1, choices=(1, 2),
                    help="2: also the tensor-parallel overlap (SP's comm behind the GEMMs, tp=2)")
+    p.add_argument("--plot", default=None, help="with --tp 2: draw its timeline into this PNG")
     args = p.parse_args(argv)
     if args.buckets < 1 or args.repeats < 1 or args.batch < 2 or args.batch % 2:
         p.error("--buckets and --repeats must be >= 1, --batch even (two ranks share it)")
+    if args.plot and args.tp != 2:
+        p.error(f"--plot {args.plot} draws the tensor-parallel timeline: add --tp 2")
     dp_hidden = _data_parallel(args)
     if args.tp == 2:
         from . import tp_overlap
         print("\ntensor parallel, SP's all-gather / reduce-scatter chunked behind the GEMMs "
               "(--tp-comm-overlap):")
-        tp = tp_overlap.run(tp_overlap.SHAPE, args.repeats)
+        tp = tp_overlap.run(tp_overlap.SHAPE, args.repeats, plot_to=args.plot)
         print(f"\nhidden, side by side: data parallel {100 * dp_hidden:.0f}% of the gradient "
               f"all-reduces behind backward (aim {100 * AIM:.0f}%); tensor parallel "
               f"{100 * tp['hidden']:.0f}% of the SP messages behind the GEMMs (aim "

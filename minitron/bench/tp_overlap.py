@@ -116,12 +116,39 @@ def timeline(step: dict, width: int = 56) -> list[str]:
             for kind, label, s, e in step["events"]]
 
 
-def run(shape: dict, repeats: int, threads: int = 1) -> dict:
-    """Measure on two ranks; print the median step's timeline and figures; return them."""
+def plot(step: dict, ax=None, title: str = ""):
+    """The timeline drawn: GEMM chunks on one row, messages on the row below (matplotlib)."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 2.2))
+    t0 = step["span"][0]
+    colors = {"all-gather": "tab:blue", "reduce-scatter": "tab:orange"}
+    for kind, label, s, e in step["events"]:
+        row = 1 if kind == "gemm" else 0
+        color = colors["all-gather" if label.startswith("all-gather") else "reduce-scatter"]
+        ax.broken_barh([(1e3 * (s - t0), 1e3 * (e - s))], (row - 0.35, 0.7), facecolors=color,
+                       edgecolors="black", linewidth=0.5, alpha=1.0 if kind == "gemm" else 0.55)
+    ax.set_yticks([0, 1], ["message", "GEMM chunk"])
+    ax.set_xlabel("ms from the step's start (blue: all-gather rings, orange: reduce-scatter rings)")
+    ax.set_ylim(-0.7, 1.7)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return ax
+
+
+def measure(shape: dict, repeats: int, threads: int = 1) -> dict:
+    """Both ranks' measured steps; `median` is the step with the median hidden share."""
     ranks = launch(_rank, shape, repeats, threads, world_size=2, backend="gloo")
     steps = sorted(((summarize(s), r, s) for r, rank in enumerate(ranks) for s in rank["steps"]),
                    key=lambda x: x[0]["hidden"])
-    fig, typical_rank, typical = steps[len(steps) // 2]
+    return {"ranks": ranks, "sorted": steps, "median": steps[len(steps) // 2]}
+
+
+def run(shape: dict, repeats: int, threads: int = 1, plot_to: str | None = None) -> dict:
+    """Measure on two ranks; print the median step's timeline and figures; return them."""
+    measured = measure(shape, repeats, threads)
+    ranks, steps = measured["ranks"], measured["sorted"]
+    fig, typical_rank, typical = measured["median"]
     shares = [f["hidden"] for f, _, _ in steps]
     alone = statistics.median(sum(a) for r in ranks for a in r["alone"])
     ours = statistics.median(f["step"] for f, _, _ in steps)
@@ -143,5 +170,13 @@ def run(shape: dict, repeats: int, threads: int = 1) -> dict:
           "of that cost hidden")
     print(f"step {1e3 * ours:.1f} ms with the overlap, {1e3 * plain:.1f} ms plain SP (blocking "
           f"all-gather / reduce-scatter): x{plain / ours:.2f}")
+    if plot_to:
+        import matplotlib.pyplot as plt
+        ax = plot(typical, title=f"tp=2, SP, --tp-comm-overlap: one MLP forward and backward on "
+                                 f"rank {typical_rank}; {100 * fig['hidden']:.0f}% of message time "
+                                 "inside a GEMM")
+        ax.figure.savefig(plot_to, dpi=110, bbox_inches="tight")
+        plt.close(ax.figure)
+        print(f"timeline drawn in {plot_to}")
     return {"hidden": fig["hidden"], "range": (shares[0], shares[-1]), "by_cost": by_cost,
             "step": ours, "plain": plain}
