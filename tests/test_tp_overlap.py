@@ -6,6 +6,8 @@ SP), send the same bytes, refuse the settings it cannot serve, and a chunk filed
 wrong rank must be caught. Sizes 2 and 4: at 2 the left and right neighbours are one rank,
 so only 4 tells a ring that turns the wrong way from one that turns the right way.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -92,6 +94,36 @@ def test_overlapped_mlp_equals_plain_sp_and_sends_the_same_bytes(run_ranks, n):
         # 4 rings (2 forward, 2 backward): n GEMM chunks and n-1 messages each
         assert sum(kind == "gemm" for kind, _ in events) == 4 * n
         assert sum(kind == "comm" for kind, _ in events) == 4 * (n - 1)
+
+
+def _deferred_rank():
+    """The overlapped MLP under a zero-bubble schedule's split backward (weight_grad.py): B
+    leaves dL/dW queued, W then gives the gradients a full backward gives."""
+    from minitron.tensor_parallel import weight_grad
+    group = build_grid(ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True)).tp
+    torch.manual_seed(0)
+    fc1 = ColumnParallelLinear(H, FFN, group, sequence_parallel=True, comm_overlap=True)
+    fc2 = RowParallelLinear(FFN, H, group, sequence_parallel=True, comm_overlap=True)
+    x = _seq(_full((B, S, H), 5), group)
+    grads = []
+    for split in (False, True):
+        for p in (fc1.weight, fc2.weight):
+            p.grad = None
+        with weight_grad.capture():
+            y = fc2(F.gelu(fc1(x)))
+        with weight_grad.deferring("mb0") if split else contextlib.nullcontext():
+            y.sum().backward()
+        queued = all(p.grad is None for p in (fc1.weight, fc2.weight))
+        ran = weight_grad.STORE.pop("mb0")
+        grads.append((queued, ran, fc1.weight.grad.clone(), fc2.weight.grad.clone()))
+    (q0, ran0, a1, a2), (q1, ran1, b1, b2) = grads
+    return q0, ran0, q1, ran1, max(rel_err(b1, a1), rel_err(b2, a2))
+
+
+def test_weight_gradients_defer_for_zero_bubble(run_ranks):
+    for queued_full, ran_full, queued, ran, err in run_ranks(_deferred_rank, world_size=2):
+        assert not queued_full and ran_full == 0         # a full backward computes dL/dW at once
+        assert queued and ran == 2 and err <= TOL        # B queued both; W ran them, same grads
 
 
 @pytest.mark.parametrize("n", [2, 4])
