@@ -98,8 +98,8 @@ class ParallelConfig:
                               [{"tp": 2}, {"sequence_parallel": False}])
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("{tp_comm_overlap} hides sequence parallelism's all-gather and "
-                              "reduce-scatter behind the GEMMs beside them, and there are none "
-                              "with {sequence_parallel}",
+                              "reduce-scatter behind the GEMMs beside them: without SP "
+                              "({sequence_parallel}) there are none",
                               {"tp_comm_overlap": True, "sequence_parallel": False},
                               [{"sequence_parallel": True, **({"tp": 2} if self.tp == 1 else {})},
                                {"tp_comm_overlap": False}])

@@ -141,8 +141,8 @@ def test_the_model_verifies_and_its_plant_fails():
 
 
 def test_refused_without_sequence_parallelism(capsys, monkeypatch):
-    with pytest.raises(ConfigError, match="tp_comm_overlap=True hides .* none with "
-                                          "sequence_parallel=False; use sequence_parallel=True or tp_comm_overlap=False"):
+    with pytest.raises(ConfigError, match=r"tp_comm_overlap=True hides .*: without SP "
+                                          r"\(sequence_parallel=False\) there are none; use sequence_parallel=True or tp_comm_overlap=False"):
         ParallelConfig(tp=2, tp_comm_overlap=True)
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
         RowParallelLinear(8, 8, comm.single_group(), comm_overlap=True)
