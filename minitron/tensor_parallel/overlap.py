@@ -132,6 +132,12 @@ def _deferring(ctx) -> bool:
     return ctx.deferrable and STORE.key is not None
 
 
+def _weight_grad_now(ctx, weight: torch.Tensor) -> torch.Tensor | None:
+    """A zero buffer the ring accumulates dL/dW into, chunk by chunk; None when it is deferred
+    or not wanted (a frozen weight)."""
+    return torch.zeros_like(weight) if ctx.needs_input_grad[1] and not _deferring(ctx) else None
+
+
 def _defer(weight: torch.Tensor, compute: Callable[[], torch.Tensor], nbytes: int) -> None:
     @torch.no_grad()
     def weight_grad():
@@ -165,8 +171,8 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_full, weight = ctx.saved_tensors
-        size, defer = ctx.size, _deferring(ctx)
-        dw = torch.zeros_like(weight) if not defer else None
+        size, defer = ctx.size, _deferring(ctx) and ctx.needs_input_grad[1]
+        dw = _weight_grad_now(ctx, weight)
 
         def partial(c):                  # this rank's share of dL/dx for chunk c (and of dL/dW)
             dyc = _chunk(dy, c, size)
@@ -198,8 +204,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        n, size, defer = ctx.group.size, ctx.size, _deferring(ctx)
-        dw = torch.zeros_like(weight) if not defer else None
+        n, size, defer = ctx.group.size, ctx.size, _deferring(ctx) and ctx.needs_input_grad[1]
+        dw = _weight_grad_now(ctx, weight)
         dxs, dys = [None] * n, [None] * n
 
         def gemm(j, dyj):
