@@ -79,6 +79,9 @@ class ParallelConfig:
     cp_variant: str = "ring"
     # devices per node: which groups leave one (minitron/runtime/placement.py); not part of the split
     gpus_per_node: int = dataclasses.field(default=8, repr=False, compare=False)
+    # Hide SP's all-gather / reduce-scatter behind the column / row GEMMs, chunk by chunk
+    # around a ring (minitron/tensor_parallel/overlap.py); the same bytes, the same numbers
+    tp_comm_overlap: bool = False
 
     def __post_init__(self):
         from .model.config import ConfigError   # here: minitron.model imports this module
@@ -95,6 +98,13 @@ class ParallelConfig:
                               "tensor-parallel group, so it needs tp > 1, not {tp}",
                               {"sequence_parallel": True, "tp": 1},
                               [{"tp": 2}, {"sequence_parallel": False}])
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ConfigError("{tp_comm_overlap} hides sequence parallelism's all-gather and "
+                              "reduce-scatter behind the GEMMs beside them: without SP "
+                              "({sequence_parallel}) there are none",
+                              {"tp_comm_overlap": True, "sequence_parallel": False},
+                              [{"sequence_parallel": True, **({"tp": 2} if self.tp == 1 else {})},
+                               {"tp_comm_overlap": False}])
 
     @property
     def world_size(self) -> int:
@@ -272,6 +282,10 @@ class Grid:
     @property
     def sequence_parallel(self) -> bool:
         return self.config.sequence_parallel
+
+    @property
+    def tp_comm_overlap(self) -> bool:
+        return self.config.tp_comm_overlap
 
     @property
     def is_first_stage(self) -> bool:

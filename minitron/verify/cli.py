@@ -24,6 +24,7 @@ from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 EXAMPLES = """examples:
   python -m minitron.verify --tp 2 --sp
   python -m minitron.verify --tp 2 --sp --norm rmsnorm --activation swiglu --position rope --kv-heads 2
+  python -m minitron.verify --tp 2 --sp --tp-comm-overlap   SP's comm behind the GEMMs
   python -m minitron.verify --tp 2 --sp --kernels      fused Triton kernels and FusedAdamW
   python -m minitron.verify --tp 1 --cp 2              ring attention over 2 ranks (zigzag chunks)
   python -m minitron.verify --tp 2 --sp --cp 2 --cp-variant ulysses
@@ -61,7 +62,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 # ConfigError's fields -> this command's flags, so a refusal names what to type
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "virtual_pp": "--virtual",
-         "sequence_parallel": "--sp", "cp_variant": "--cp-variant", "vocab_size": "--vocab",
+         "sequence_parallel": "--sp", "tp_comm_overlap": "--tp-comm-overlap", "cp_variant": "--cp-variant", "vocab_size": "--vocab",
          "seq_len": "--seq", "hidden": "--hidden", "n_layers": "--layers", "n_heads": "--heads",
          "n_kv_heads": "--kv-heads", "norm": "--norm", "activation": "--activation",
          "position": "--position", "dropout": "--dropout", "recompute": "--recompute",
@@ -78,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default 2; 1 with --ep > 1)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="SP's all-gather / reduce-scatter chunk by chunk behind the GEMMs (needs --sp)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages' ranks)")
     g.add_argument("--virtual", type=int, default=1, dest="virtual_pp",
                    help="model chunks (stages) per pipeline rank: interleaved schedules")
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
         pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
-                              cp_variant=args.cp_variant, gpus_per_node=args.gpus_per_node)
+                              cp_variant=args.cp_variant, gpus_per_node=args.gpus_per_node,
+                              tp_comm_overlap=args.tp_comm_overlap)
         sched = resolve_schedule(pcfg, args.schedule, args.microbatches)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)

@@ -40,6 +40,8 @@ PLANTS = {
                       "masks and the gather back assume zigzag (a wrong chunk order)",
     "moe-split": "experts: the grouped matmul's split sizes are off: one row of each rank's first "
                  "local expert is run by the next (minitron/moe/dispatch.py)",
+    "tp-overlap-chunk": "--tp-comm-overlap: the ring all-gather files each chunk it receives "
+                        "under the wrong rank (minitron/tensor_parallel/overlap.py)",
     "moe-unpermute": "experts: undoing the regrouping is off by one row, so expert outputs return "
                      "to the wrong tokens",
     "moe-route": "experts: each rank sends its first token's first choice to an expert the router "
@@ -83,7 +85,12 @@ class Plant(StepHooks):
         return found
 
     def install(self, model) -> None:
-        """Put a dispatch fault into every MoE layer of `model` (moe-* plants)."""
+        """Put a dispatch fault into every MoE layer of `model` (moe-* plants), or the ring's
+        wrong chunk into overlap.py (reset by every run: a pool's ranks outlive one)."""
+        from ..tensor_parallel import overlap
+        overlap.plant_wrong_chunk(self.kind == "tp-overlap-chunk")
+        if self.kind == "tp-overlap-chunk" and not model.grid.tp_comm_overlap:
+            raise ValueError("plant tp-overlap-chunk needs --tp-comm-overlap (with --sp)")
         if not self.kind.startswith("moe-"):
             return
         layers = [m for m in model.modules() if hasattr(m, "dispatcher")]
