@@ -26,7 +26,7 @@ from .buffer import Bucket, FlatLayout, GroupBuffer
 from .checks import gathered_grads, gathered_params, load_grads
 from .ddp import DEFAULT_BUCKET_NUMEL, DataParallel, reduction_group
 from .engine_api import GradientEngine
-from .memory import StateBytes, formula_bytes, measure, traffic_wire_bytes
+from .memory import StateBytes, formula_bytes, hsdp_wire_bytes, measure, traffic_wire_bytes
 from .step import forward_backward, local_rows
 from .zero import ZeroOptimizer
 from .zero3 import ZeroStage3, default_units
@@ -46,5 +46,5 @@ def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BU
 
 __all__ = ["Bucket", "FlatLayout", "GroupBuffer", "GradientEngine", "DataParallel",
            "DEFAULT_BUCKET_NUMEL", "reduction_group", "ZeroOptimizer", "ZeroStage3", "default_units", "StateBytes",
-           "formula_bytes", "measure", "traffic_wire_bytes", "gathered_grads", "gathered_params",
+           "formula_bytes", "hsdp_wire_bytes", "measure", "traffic_wire_bytes", "gathered_grads", "gathered_params",
            "load_grads", "forward_backward", "local_rows", "wrap"]
