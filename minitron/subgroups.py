@@ -74,12 +74,12 @@ def settle_splits(cfg) -> None:
     from .model.config import ConfigError   # minitron.model imports the grid
     hierarchical = cfg.cp_variant == "hierarchical"
     if hierarchical and cfg.cp_a2a is None:
-        raise ConfigError("{cp_variant} needs {cp_a2a}, the all-to-all group's size (a divisor "
-                          "of {cp})", {"cp_variant": "hierarchical", "cp_a2a": None, "cp": cfg.cp},
+        raise ConfigError("{cp_variant} needs the all-to-all group's size, cp_a2a (a divisor "
+                          "of {cp})", {"cp_variant": "hierarchical", "cp": cfg.cp},
                           [{"cp_a2a": d} for d in range(2, cfg.cp) if cfg.cp % d == 0][:1]
                           or [{"cp_variant": "ulysses"}])
     if not hierarchical and cfg.cp_a2a not in (None, cfg.cp):
-        raise ConfigError("{cp_a2a} sizes the all-to-all group of cp_variant='hierarchical', "
+        raise ConfigError("{cp_a2a} sizes the all-to-all group of the hierarchical variant, "
                           "not of {cp_variant}", {"cp_a2a": cfg.cp_a2a, "cp_variant": cfg.cp_variant},
                           [{"cp_variant": "hierarchical"}, {"cp_a2a": None}])
     check_split(cfg, "dp", "dp_shard", "ZeRO shards over dp_shard ranks, dp/dp_shard replicas")
