@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minitron.data_parallel import formula_bytes, hsdp_wire_bytes, measure, traffic_wire_bytes, wrap
-from minitron.data_parallel.step import forward_backward
+from minitron.train.step import forward_backward
 from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid
 from minitron.model import ModelConfig, ParallelGPT
 from minitron.model.config import ConfigError
@@ -81,13 +81,13 @@ def hsdp_memory_rank(stages):
         engine, opt = wrap(model, grid, stage, bucket_numel=None, lr=LR, eps=EPS)
         engine.zero_grad()
         with comm.counting() as c:
-            forward_backward(model, engine, tokens, targets)
-            engine.finish_grad_sync()
+            forward_backward(model, None, tokens, targets, 0, engine=engine)
             opt.step()
         wire = {g: c.wire_bytes(group=g) for g in ("dense_dp_shard", "dp_replicate")}
+        loss_mean = c.wire_bytes(group="ep_dp")           # the step's loss, averaged over replicas
         out[stage] = dict(psi=sum(p.numel() for p in model.parameters()), padded=engine.padded_numel,
-                          mem=measure(model, engine, opt), wire=wire,
-                          other=c.wire_bytes() - sum(wire.values()))
+                          mem=measure(model, engine, opt), wire=wire, loss_mean=loss_mean,
+                          other=c.wire_bytes() - sum(wire.values()) - loss_mean)
         engine.remove_hooks()
     return out
 
@@ -100,7 +100,7 @@ def test_memory_and_bytes_per_group_equal_the_formulas(run_ranks):
             assert got["mem"] == formula_bytes(psi, HSDP.dp_shard, stage), stage
             want = hsdp_wire_bytes(psi, HSDP.dp_shard, HSDP.dp_replicate, stage)
             assert got["wire"] == {"dense_dp_shard": want["shard"], "dp_replicate": want["replicate"]}
-            assert got["other"] == 0
+            assert got["other"] == 0 and got["loss_mean"] == 2 * (3 / 4) * 4   # one float32
     # between replicas only the kept half of the bf16 gradient, all-reduced by 2: Ψ bytes a
     # rank, whatever the stage; flat ZeRO-1 over the same 4 ranks sends 2 (3/4) 2Ψ = 3Ψ there
     assert want["replicate"] == psi and traffic_wire_bytes(psi, 4, 1) == 3 * psi
