@@ -45,9 +45,10 @@ import torch.distributed as dist
 
 from .runtime import comm, placement
 from .runtime.comm import Group
+from .subgroups import SUBGROUP_DIMS, digit_sizes, expand, same_group, settle_splits, split_size
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest first
-CP_VARIANTS = ("ring", "allgather", "ulysses")
+CP_VARIANTS = ("ring", "allgather", "ulysses", "hierarchical")
 
 # group name -> the dimensions that vary inside it
 GROUP_DIMS = {
@@ -63,7 +64,10 @@ def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-@dataclasses.dataclass(frozen=True)
+_QUIET_AT_DEFAULT = ("dp_shard", "cp_a2a", "tp_comm_overlap")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class ParallelConfig:
     """How many ways each dimension is split. SP rides on TP and adds no ranks."""
     tp: int = 1
@@ -75,8 +79,11 @@ class ParallelConfig:
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved schedules)
     # How attention reaches the other cp ranks' keys and values (minitron/context_parallel):
     # "ring" (K/V passed around, overlapped), "allgather" (gathered once), "ulysses" (all-to-all
-    # to a head split; heads/tp must divide by cp)
+    # to a head split; heads/tp must divide by cp), "hierarchical" (Ulysses inside groups of
+    # cp_a2a ranks, a ring across them: subgroups.py)
     cp_variant: str = "ring"
+    dp_shard: int | None = None   # HSDP: ZeRO shards over dp_shard ranks, dp/dp_shard replicas (default dp)
+    cp_a2a: int | None = None     # hierarchical cp: the all-to-all group's size, dividing cp
     # devices per node: which groups leave one (minitron/runtime/placement.py); not part of the split
     gpus_per_node: int = dataclasses.field(default=8, repr=False, compare=False)
     # Hide SP's all-gather / reduce-scatter behind the column / row GEMMs, chunk by chunk
@@ -93,6 +100,7 @@ class ParallelConfig:
         if self.cp_variant not in CP_VARIANTS:
             raise ConfigError("{cp_variant}: choose one of %s" % (CP_VARIANTS,),
                               {"cp_variant": self.cp_variant}, [{"cp_variant": "ring"}])
+        settle_splits(self)                            # dp_shard, cp_a2a (subgroups.py)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("{sequence_parallel} shards the norm/dropout regions across the "
                               "tensor-parallel group, so it needs tp > 1, not {tp}",
@@ -109,6 +117,16 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.ep * self.dp * self.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of each ZeRO shard (HSDP; 1 when dp_shard is all of dp)."""
+        return self.dp // split_size(self, "dp")
+
+    def __repr__(self) -> str:       # the later options print only when set, so old outputs hold
+        fields = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                  if f.repr and not (f.name in _QUIET_AT_DEFAULT and getattr(self, f.name) == f.default))
+        return f"ParallelConfig({', '.join(fields)})"
 
     def sizes(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in DIMS}
@@ -131,13 +149,22 @@ class ParallelConfig:
         return rank
 
     def group_ranks(self, dims: tuple[str, ...]) -> list[list[int]]:
-        """All groups in which exactly `dims` vary, each a sorted list of global ranks."""
-        fixed = [d for d in DIMS if d not in dims]
+        """All groups in which exactly `dims` vary (whole dimensions or the digits of
+        subgroups.py), each a sorted list of global ranks."""
+        sizes, dims = digit_sizes(self), expand(dims)
+        fixed = [d for d in sizes if d not in dims]
+
+        def rank(digits: dict) -> int:
+            r = 0
+            for d in reversed(sizes):
+                r = r * sizes[d] + digits[d]
+            return r
+
         groups = []
-        for outer in product(*(range(getattr(self, d)) for d in fixed)):
+        for outer in product(*(range(sizes[d]) for d in fixed)):
             base = dict(zip(fixed, outer))
-            members = [self.rank_of(**base, **dict(zip(dims, inner)))
-                       for inner in product(*(range(getattr(self, d)) for d in dims))]
+            members = [rank({**base, **dict(zip(dims, inner))})
+                       for inner in product(*(range(sizes[d]) for d in dims))]
             groups.append(sorted(members))
         return sorted(groups)  # listed by first rank, as Megatron prints them: [[0,1],[2,3],...]
 
@@ -230,13 +257,13 @@ def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None, *,
         raise ConfigError("selective recomputation of context-parallel attention is not built: "
                           "{recompute} with {cp}", {"recompute": "selective", "cp": cfg.cp},
                           [{"recompute": "full"}, {"recompute": "none"}, {"cp": 1}])
-    if cfg.cp > 1 and cfg.cp_variant == "ulysses" and ((heads // cfg.tp) % cfg.cp
-                                                       or (kv // cfg.tp) % cfg.cp):
+    a2a = {"ulysses": "cp", "hierarchical": "cp_a2a"}.get(cfg.cp_variant)   # heads split this way
+    if cfg.cp > 1 and a2a and ((heads // cfg.tp) % getattr(cfg, a2a) or (kv // cfg.tp) % getattr(cfg, a2a)):
         per_rank = math.gcd(heads // cfg.tp, kv // cfg.tp)
-        raise ConfigError(f"{{cp_variant}} gives each of the {{cp}} ranks whole heads, but a "
+        raise ConfigError(f"{{cp_variant}} gives each of the {{{a2a}}} ranks whole heads, but a "
                           f"tensor-parallel rank has {heads // cfg.tp} query and {kv // cfg.tp} "
-                          "key/value heads", {"cp_variant": "ulysses", "cp": cfg.cp},
-                          working("cp", divisors(per_rank))
+                          "key/value heads", {"cp_variant": cfg.cp_variant, a2a: getattr(cfg, a2a)},
+                          working(a2a, divisors(per_rank))
                           + [{"cp_variant": "ring"}, {"cp_variant": "allgather"}])
 
 
@@ -260,6 +287,10 @@ class Grid:
         for name, dims in GROUP_DIMS.items():
             self.groups[name] = _build(name, config.group_ranks(dims), self.rank)
         self.groups["embedding"] = _build("embedding", config.embedding_ranks(), self.rank)
+        for name, dims in SUBGROUP_DIMS.items():     # HSDP's and hierarchical cp's (subgroups.py)
+            same = same_group(config, name)
+            self.groups[name] = self.groups[same] if same else \
+                _build(name, config.group_ranks(dims), self.rank)
         # The names read like Megatron's: grid.tp is this rank's tensor-parallel group (a
         # comm.Group: .ranks, .rank, .size), grid.tp_rank its coordinate along tp. The
         # module docstring's table says what travels in each group.
@@ -273,6 +304,11 @@ class Grid:
         self.tp_ep = self.groups["tp_ep"]
         self.ep_dp = self.groups["ep_dp"]
         self.embedding = self.groups["embedding"]
+        self.dense_dp_shard = self.groups["dense_dp_shard"]
+        self.dp_cp_shard = self.groups["dp_cp_shard"]
+        self.dp_replicate = self.groups["dp_replicate"]
+        self.cp_a2a = self.groups["cp_a2a"]
+        self.cp_ring = self.groups["cp_ring"]
         self.tp_rank = self.coords["tp"]
         self.cp_rank = self.coords["cp"]
         self.ep_rank = self.coords["ep"]

@@ -77,7 +77,7 @@ def _alone(sizes: list[int], group, world) -> list[float]:
 
 def _overlap_rank(cfg: ModelConfig, batch: int, buckets: int, repeats: int) -> dict:
     from ..data_parallel import DataParallel
-    from ..data_parallel.step import local_rows
+    from ..train.step import replica_rows
 
     grid = build_grid(ParallelConfig(dp=2))
     world = comm.Group("world", range(grid.world_size))
@@ -85,7 +85,7 @@ def _overlap_rank(cfg: ModelConfig, batch: int, buckets: int, repeats: int) -> d
     numel = sum(p.numel() for p in model.parameters())
     engine = DataParallel(model, grid, bucket_numel=-(-numel // buckets))
     tokens, targets = make_batch(0, 0, batch, cfg.seq_len, cfg.vocab_size)
-    rows = local_rows(batch, grid)
+    rows = replica_rows(batch, grid)
     tokens, targets = tokens[rows], targets[rows]
     sizes = [b.numel for gb in engine.buffers for b in gb.layout.buckets]
     _step(model, engine, tokens, targets, world, sync=True)          # warm-up: gloo's pairs, allocator

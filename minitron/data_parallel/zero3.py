@@ -135,6 +135,11 @@ class ZeroStage3(GradientEngine):
     optimizer only writes it after the step): every micro-batch sees the same weights.
     Dense parameters only (experts would shard over dp_cp).
 
+    Hybrid sharding (HSDP, grid.dp_shard < dp): units are sharded over dense_dp_shard only, so
+    every gather and reduce-scatter stays inside it; the micro-batches' sum in the gradient
+    shard is then all-reduced once across dp_replicate (finish_grad_sync), 1/dp_shard of the
+    gradient crossing the slow links once per step instead of every weight 2m times.
+
     Gradient accumulation, DeepSpeed's way: a unit's gradients are reduce-scattered into this
     rank's gradient shard as soon as a micro-batch's last one is in, and .grad is freed; the
     micro-batches add up in the shard. So gradients stay sharded (2Ψ/N, plus one unit's
@@ -184,7 +189,7 @@ class ZeroStage3(GradientEngine):
         if any(getattr(p, "allreduce", True) is False for p in wanted):
             raise ValueError("ZeroStage3 shards dense parameters over dense_dp; expert parameters "
                              "(allreduce=False) are not supported yet: use DataParallel")
-        self.group = grid.dense_dp
+        self.group, self.replicas = grid.dense_dp_shard, grid.dp_replicate   # HSDP: see below
         self.scale = 1.0 / grid.dense_dp.size
         rank = self.group.rank
         self.units = [_Unit(u, self.group, rank) for u in units]
@@ -253,7 +258,12 @@ class ZeroStage3(GradientEngine):
                 u.reduce_grads(self.scale)
             u.free(force=True)
             u.reset()
+        self.sync_replicas(self.grad_shards)
         sum_sequence_parallel_grads(self, self.grid)
+
+    def sync_replicas(self, shard: torch.Tensor) -> None:
+        """HSDP: sum the gradient shards across the copies of this shard (in place, one call)."""
+        comm.all_reduce(shard, self.replicas)
 
     def zero_grad(self) -> None:
         for u in self.units:

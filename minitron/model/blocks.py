@@ -130,7 +130,7 @@ class ParallelAttention(nn.Module):
             shape = (b, self.cfg.n_heads, s, s)
             like = q.new_empty(()).expand(b, self.heads, s, s)   # only its shape and device are read
             drop = rng.local_mask(like, p, (slice(None), heads), shape).to(q.dtype) / (1.0 - p)
-        return context_parallel_attention(q, k, v, self.ctx.grid.cp,
+        return context_parallel_attention(q, k, v, self.ctx.grid,
                                           variant=self.ctx.grid.config.cp_variant, causal=True,
                                           scale=self.cfg.head_dim ** -0.5,
                                           use_kernels=self.cfg.use_kernels, drop=drop)

@@ -35,7 +35,7 @@ core, in backward (minitron/model/recompute.py), with the same dropout masks.
 
 Context parallelism (grid.cp > 1, minitron/context_parallel): a rank's tokens are its cp rank's
 two zigzag chunks of every sequence (then, under SP, its 1/tp of those). Attention reaches the
-other cp ranks' keys and values by ParallelConfig.cp_variant (ring, allgather or ulysses);
+other cp ranks' keys and values by ParallelConfig.cp_variant (ring, allgather, ulysses or hierarchical);
 every other layer is per token and runs unchanged. Learned and rotary positions, and every
 dropout mask, follow the tokens' global positions (BlockContext.positions, blocks.py). Each
 rank's loss is the mean over its own tokens, so finalize_grads averages every gradient over cp.

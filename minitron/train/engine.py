@@ -91,6 +91,11 @@ def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
         works = [name for name, d in DTYPES.items() if not dtype_refusal(pcfg, mcfg, d, zero)]
         raise ConfigError("{dtype}: %s" % why, {"dtype": str(dtype).removeprefix("torch.")},
                           [{"dtype": name} for name in works])
+    if pcfg.dp_replicate > 1 and not zero:
+        raise ConfigError("{dp_shard} shards ZeRO's state over dp_shard of the {dp} ranks, but "
+                          "{zero} shards nothing", {"dp_shard": pcfg.dp // pcfg.dp_replicate, "dp": pcfg.dp,
+                                                    "zero": zero or 0},
+                          [{"zero": 1}, {"zero": 3}, {"dp_shard": pcfg.dp}])
     if not uses_engine(pcfg, zero, dtype):
         return
     refusals = [

@@ -36,6 +36,8 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --dp 2               data parallel: each replica its rows
   python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 Megatron's distributed optimizer
   python -m minitron.verify --tp 1 --dp 4 --zero 3      parameters sharded too
+  python -m minitron.verify --tp 1 --dp 4 --dp-shard 2 --zero 3   HSDP: sharded in pairs, 2 replicas
+  python -m minitron.verify --tp 1 --cp 4 --cp-variant hierarchical --cp-a2a 2   Ulysses in pairs, ring across
   python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4   ZeRO-3 in stages
   python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
   python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
@@ -63,6 +65,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 # ConfigError's fields -> this command's flags, so a refusal names what to type
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "virtual_pp": "--virtual",
          "sequence_parallel": "--sp", "tp_comm_overlap": "--tp-comm-overlap", "cp_variant": "--cp-variant", "vocab_size": "--vocab",
+         "dp_shard": "--dp-shard", "cp_a2a": "--cp-a2a", "zero": "--zero",
          "seq_len": "--seq", "hidden": "--hidden", "n_layers": "--layers", "n_heads": "--heads",
          "n_kv_heads": "--kv-heads", "norm": "--norm", "activation": "--activation",
          "position": "--position", "dropout": "--dropout", "recompute": "--recompute",
@@ -93,8 +96,12 @@ def _parser() -> argparse.ArgumentParser:
                    "over cp ranks (2*cp zigzag chunks)")
     g.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring",
                    help="how attention reaches the other cp ranks' keys and values")
+    g.add_argument("--cp-a2a", type=int, default=None, help="--cp-variant hierarchical: Ulysses "
+                   "inside groups of this many cp ranks, a ring across the groups")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size: replicas, each on its "
                    "own rows of the batch")
+    g.add_argument("--dp-shard", type=int, default=None, help="HSDP: ZeRO shards over this many dp "
+                   "ranks, dp/this replicas of each shard (default dp; needs --zero 1-3)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage of the data-parallel engine (default: 0 where one runs)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size: the experts of each "
@@ -177,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
                               cp_variant=args.cp_variant, gpus_per_node=args.gpus_per_node,
-                              tp_comm_overlap=args.tp_comm_overlap)
+                              tp_comm_overlap=args.tp_comm_overlap,
+                              dp_shard=args.dp_shard, cp_a2a=args.cp_a2a)
         sched = resolve_schedule(pcfg, args.schedule, args.microbatches)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)

@@ -34,6 +34,8 @@ PLANTS = {
     "zero-gather": "ZeRO 1/2: the updated shards are never all-gathered (each rank keeps only the "
                    "update of the shard it owns); ZeRO-3: a unit's gather refreshes only this "
                    "rank's shard, the others' pieces stay as first gathered",
+    "hsdp-no-replicate": "hybrid sharding (dp_shard < dp): the gradient shards are never "
+                         "all-reduced across dp_replicate (each copy keeps its shard group's sum)",
     "cp-no-rescale": "context parallel: attention blocks summed as they come, without the "
                      "exp(lse_block - lse) rescale",
     "cp-chunk-order": "context parallel: the batch cut into contiguous chunks while positions, "
@@ -152,6 +154,11 @@ class Plant(StepHooks):
     def engine(self, engine) -> None:
         if self.kind == "dp-bucket":
             _never_reduce_bucket(engine, 1)
+        elif self.kind == "hsdp-no-replicate":
+            if engine.replicas.size == 1:
+                raise ValueError("plant hsdp-no-replicate skips the all-reduce across replicas: "
+                                 "needs --dp-shard below --dp (and --zero 1, 2 or 3)")
+            engine.sync_replicas = lambda shard: None
         elif self.kind == "zero-gather":
             if isinstance(engine, ZeroStage3):
                 for unit in engine.units:
