@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minitron.data_parallel import ZeroStage3
-from minitron.data_parallel.step import forward_backward
+from minitron.train.step import forward_backward
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import ModelConfig, ParallelGPT
 from minitron.runtime import comm
@@ -35,7 +35,7 @@ def traffic_rank(micro):
     tokens, targets = make_batch(0, SEED, 4, mcfg.seq_len, mcfg.vocab_size)
     engine.zero_grad()
     with comm.counting() as c:
-        forward_backward(model, engine, tokens, targets, micro_batches=micro)
+        forward_backward(model, None, tokens, targets, 0, engine=engine, microbatches=micro)
         engine.finish_grad_sync()
     embedding = sum(p.numel() for p in model.embedding.parameters())
     psi = sum(p.numel() for p in model.parameters())
