@@ -16,6 +16,9 @@ benchmarks, the checkpoints and the lessons. What a run splits decides what is b
                  ZeRO stage (the default, 0), has dp or ep > 1, or trains in 16 bits;
                  otherwise the model keeps its own .grad and torch's AdamW steps it
                  (FusedAdamW with the kernels), as a plain single-device script would
+  the precision  `resolve_precision`, the one rule from a name to what a run holds: float32,
+                 float64, bfloat16, float16, or fp8 = bfloat16 training (fp32 master weights and
+                 Adam states) whose block GEMMs run in FP8 (tensor_parallel/fp8_linear.py)
 
 A step is forward_backward (train/step.py) then optimizer_step. grads(), weights() and
 load_grads() read and write this rank's tensors in the reference's names, whatever shards
@@ -40,6 +43,8 @@ from ..moe.router import imbalance
 from ..pipeline.partition import PipelineGPT
 from ..pipeline.schedules import make_schedule
 from ..runtime import comm
+from ..tensor_parallel.fp8 import FP8Recipe
+from ..tensor_parallel.fp8_linear import enable_fp8
 from .step import NO_HOOKS, StepHooks, StepOutput, forward_backward, replica_rows
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -66,6 +71,37 @@ def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> b
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+PRECISIONS = (*DTYPES, "fp8")      # what --dtype takes
+
+
+def resolve_precision(name: str, fp8_recipe: str = "delayed") -> tuple[torch.dtype, FP8Recipe | None]:
+    """--dtype NAME [--fp8-recipe R] -> (the weights' and activations' dtype, the FP8 recipe).
+
+    fp8 is bf16 training with FP8 GEMMs: the weights, activations and the gradients between
+    layers stay bf16, the optimizer keeps fp32 masters and moments, and each GEMM of the
+    blocks casts its operands to FP8 on the way in (tensor_parallel/fp8_linear.py)."""
+    if name == "fp8":
+        return torch.bfloat16, FP8Recipe(fp8_recipe)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: choose one of {', '.join(PRECISIONS)}")
+    return DTYPES[name], None
+
+
+def fp8_refusal(mcfg: ModelConfig, dtype: torch.dtype, fp8: FP8Recipe | None, schedule) -> str | None:
+    """Why FP8 GEMMs cannot run in this configuration, or None."""
+    if fp8 is None:
+        return None
+    if dtype != torch.bfloat16:
+        return (f"FP8 GEMMs run inside bfloat16 training (bf16 activations, fp32 master weights), "
+                f"not {dtype}: use --dtype fp8 alone")
+    if schedule is not None and any(a.kind == "W" for acts in schedule.actions.values() for a in acts):
+        return (f"schedule {schedule.name} defers dL/dW (tensor_parallel/weight_grad.py), which the "
+                f"FP8 GEMMs do not yet: use --schedule 1f1b (or gpipe, interleaved) with --dtype fp8")
+    if fp8.scaling == "delayed" and mcfg.recompute == "full":
+        return ("full recomputation reruns every layer's forward, which would record each amax twice "
+                "and cast the rerun with a newer scale than the first forward: use --recompute "
+                "selective or none, or --fp8-recipe current")
+    return None
 
 
 def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:
@@ -81,8 +117,11 @@ def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, z
 
 
 def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
-                    zero: int | None, schedule) -> None:
+                    zero: int | None, schedule, fp8: FP8Recipe | None = None) -> None:
     """Refuse, before any rank starts, what the engine does not run (ValueError, with the fix)."""
+    why = fp8_refusal(mcfg, dtype, fp8, schedule)
+    if why:
+        raise ValueError(why)
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     check_moe_grid(pcfg, mcfg)
@@ -148,7 +187,8 @@ class TrainingRun:
     cut into (gradient accumulation). zero_stage=None builds no engine where none is needed
     (module docstring: the verifier's plain runs); max_norm=None does not clip; loss_scale:
     fp16's fixed scale (default: a dynamic LossScaler).
-    reference: a single-device GPT whose weights and dropout seed the model takes (verify).
+    reference: a single-device GPT whose weights and dropout seed the model takes (verify), cast
+    to `dtype`. fp8: an FP8Recipe (with dtype=bfloat16): the blocks' GEMMs in FP8 (resolve_precision).
     hooks: what a verifier plants in each step (train/step.py StepHooks)."""
 
     def __init__(self, mcfg: ModelConfig, pcfg: ParallelConfig, *, schedule=None,
@@ -156,9 +196,9 @@ class TrainingRun:
                  dtype: torch.dtype = torch.float32, lr: float = 1e-3, eps: float = 1e-8,
                  weight_decay: float = 0.0, max_norm: float | None = 1.0, seed: int = 0,
                  bucket_numel: int | None = DEFAULT_BUCKET_NUMEL, loss_scale: float | None = None,
-                 reference=None, hooks: StepHooks = NO_HOOKS):
+                 reference=None, hooks: StepHooks = NO_HOOKS, fp8: FP8Recipe | None = None):
         self.schedule = resolve_schedule(pcfg, schedule, microbatches)
-        check_supported(pcfg, mcfg, dtype, zero_stage, self.schedule)
+        check_supported(pcfg, mcfg, dtype, zero_stage, self.schedule, fp8)
         check_number("lr", lr, "the learning rate", 1e-3)
         check_number("weight_decay", weight_decay, "the weight decay", 0.0, allow_minimum=True)
         if max_norm is not None:
@@ -168,9 +208,11 @@ class TrainingRun:
         self.microbatches = 1 if self.schedule is not None else (microbatches or 1)
         self.placement = self.schedule.stage_rank if self.schedule is not None else None
         if reference is not None:
-            self.model = PipelineGPT.from_reference(reference, grid, self.placement)
+            self.model = PipelineGPT.from_reference(reference, grid, self.placement).to(dtype)
         else:
             self.model = PipelineGPT(mcfg, grid, self.placement, seed=seed).to(dtype)
+        self.fp8 = fp8
+        self.fp8_layers = enable_fp8(self.model, fp8) if fp8 is not None else []
         self.scaler, self.loss_scale = None, 1.0
         if not uses_engine(pcfg, zero_stage, dtype):
             self.engine, self.side = None, _OwnGrads(self.model, lr, eps, weight_decay)

@@ -4,7 +4,8 @@
 Each plant breaks one thing at one point of a step and should be caught by exactly one kind of
 row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
 tensor's update, or in one logit; in the pipeline executor, a gradient delivered to the wrong
-stage or a W dropped; in an MoE layer, a wrong split size or an unpermute off by one.
+stage or a W dropped; in an MoE layer, a wrong split size or an unpermute off by one; in the
+FP8 GEMMs (--dtype fp8), a scale never updated from its amax history or one applied twice.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from ..data_parallel.zero3 import ZeroStage3
 from ..grid import Grid
+from ..tensor_parallel.fp8_linear import fp8_states
 from ..train.step import StepHooks
 
 PLANTS = {
@@ -41,6 +43,9 @@ PLANTS = {
                  "local expert is run by the next (minitron/moe/dispatch.py)",
     "moe-unpermute": "experts: undoing the regrouping is off by one row, so expert outputs return "
                      "to the wrong tokens",
+    "fp8-stale-amax": "FP8, delayed scaling: the amax history holds a stale amax of 1.0 and is never "
+                      "updated, so a norm's output (amax 3-4) saturates: clipped to +-1",
+    "fp8-double-scale": "FP8: each GEMM's output divides out the weight's scale twice (y / (s_x s_w^2))",
 }
 
 
@@ -80,7 +85,10 @@ class Plant(StepHooks):
         return found
 
     def install(self, model) -> None:
-        """Put a dispatch fault into every MoE layer of `model` (moe-* plants)."""
+        """Put a dispatch fault into every MoE layer of `model` (moe-* plants), or a scaling
+        fault into every FP8 layer (fp8-* plants)."""
+        if self.kind.startswith("fp8-"):
+            return self._install_fp8(model)
         if not self.kind.startswith("moe-"):
             return
         layers = [m for m in model.modules() if hasattr(m, "dispatcher")]
@@ -88,6 +96,19 @@ class Plant(StepHooks):
             raise ValueError(f"plant {self.kind} needs a model with experts (--experts)")
         for m in layers:
             m.dispatcher.plant = self.kind[len("moe-"):]
+
+    def _install_fp8(self, model) -> None:
+        states = fp8_states(model)
+        if not states:
+            raise ValueError(f"plant {self.kind} needs FP8 layers (--dtype fp8)")
+        for state in states:
+            if self.kind == "fp8-double-scale":
+                state.plant = "double-scale"
+            elif state.recipe.scaling != "delayed":
+                raise ValueError("plant fp8-stale-amax breaks the amax history: use --fp8-recipe delayed")
+            else:
+                for scaler in state.scalers():
+                    scaler.stale_amax = 1.0
 
     def _on_rank_1(self, grid: Grid) -> bool:
         if grid.tp.size < 2:

@@ -19,7 +19,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
            batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
            plant: str | None = None, schedule: str | None = None,
-           microbatches: int | None = None, zero: int | None = None) -> Report:
+           microbatches: int | None = None, zero: int | None = None, fp8=None) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
@@ -27,14 +27,15 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     `batch` defaults to one sample per micro-batch (2 without a pipeline), per dp replica.
     `zero` (0-3; dp > 1 and 16-bit dtypes too) steps through a data-parallel engine.
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
-    (see enable_kernels).
+    (see enable_kernels). fp8: an FP8Recipe, with dtype=torch.bfloat16 (train.engine.
+    resolve_precision): the split model's block GEMMs in FP8, against the float32 reference.
     """
     check_adamw(lr, eps)
     sched = resolve_schedule(parallel_config, schedule, microbatches)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
-    check_supported(parallel_config, model_config, dtype, zero, sched)
+    check_supported(parallel_config, model_config, dtype, zero, sched, fp8)
     check_comparable(model_config, sched)
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
@@ -48,7 +49,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
-                  plant, sched, zero, world_size=parallel_config.world_size, timeout=timeout)[0]
+                  plant, sched, zero, fp8, world_size=parallel_config.world_size, timeout=timeout)[0]
     return Report(rows)
 
 
