@@ -153,3 +153,16 @@ def test_verify_fp8_catches_a_wrong_scale(plant, recipe):
     assert not report.passed
     gemms = ("logits", "grad layers.*.attention.q.weight", "grad layers.*.mlp.fc1.weight")
     assert {r.quantity for r in report.failures} & set(gemms), report.table()   # where FP8 is
+
+
+def test_bench_precision_writes_its_csv_and_figure(tmp_path):
+    from minitron.bench.precision import run
+    csv, png = tmp_path / "p.csv", tmp_path / "p.png"
+    assert run(["--steps", "3", "--tail", "2", "--hidden", "32", "--seq", "16", "--batch", "4",
+                "--csv", str(csv), "--figure", str(png)]) == 0
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("# date: ") and lines[1].startswith("# command: python -m minitron.bench precision")
+    assert lines[3] == "step,float32,bfloat16,fp8_delayed,fp8_current" and len(lines) == 4 + 3
+    first = [float(v) for v in lines[4].split(",")[1:]]
+    assert max(first) - min(first) < 0.02 * first[0]     # one start, four precisions
+    assert png.stat().st_size > 0
