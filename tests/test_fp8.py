@@ -16,7 +16,8 @@ from minitron.pipeline.schedules import make_schedule
 from minitron.tensor_parallel.fp8 import (E4M3, E5M2, FP8Recipe, TensorScaler, delayed_scale,
                                           dequantize, quantize, scale_from_amax, tolerance_fp8)
 from minitron.tensor_parallel.fp8_linear import FP8State, enable_fp8, fp8_linear, scaled_matmul
-from minitron.train.engine import check_supported, resolve_precision
+from minitron.train.engine import check_supported
+from minitron.train.precision import resolve_precision
 from minitron.verify import verify
 
 # (mantissa bits, smallest normal exponent, largest value) read off the bit layouts
@@ -166,3 +167,16 @@ def test_bench_precision_writes_its_csv_and_figure(tmp_path):
     first = [float(v) for v in lines[4].split(",")[1:]]
     assert max(first) - min(first) < 0.02 * first[0]     # one start, four precisions
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--fp8-recipe", "current"], "add --dtype fp8"),
+    (["--dtype", "fp8", "--fp8-recipe", "current", "--plant", "fp8-stale-amax"], "--fp8-recipe delayed"),
+    (["--plant", "fp8-double-scale"], "add --dtype fp8"),
+    (["--dtype", "fp8", "--tp", "1", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"], "--schedule 1f1b"),
+    (["--dtype", "fp8", "--ep", "2", "--experts", "4"], "--dtype float32"),
+])
+def test_verify_cli_refuses_before_any_rank_starts(argv, says, capsys):
+    from minitron.verify.cli import main
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err

@@ -3,7 +3,7 @@
 Every run goes through the one engine (train/engine.py TrainingRun) on one CPU rank, from the
 same initial weights (bf16-rounded, so every run starts from the same numbers), on the same
 batches of the shipped corpus (data/corpus.txt), with the same learning-rate schedule: only
-the precision differs (train.engine.resolve_precision). Writes the per-step losses to a CSV
+the precision differs (train.precision.resolve_precision). Writes the per-step losses to a CSV
 (bench/results/precision_fp8.csv, headed by the date and the command) and the curves overlaid
 (lessons/figures/fp8_loss_curves.png), and prints the gap: each run's mean training loss
 over the last `--tail` steps and its held-out loss, against float32's.
@@ -22,7 +22,8 @@ from ..model.config import ModelConfig
 from ..model.reference import GPT
 from ..runtime.launch import launch
 from ..train import data
-from ..train.engine import TrainingRun, resolve_precision
+from ..train.engine import TrainingRun
+from ..train.precision import resolve_precision
 from ..train.lr import learning_rate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -53,7 +54,7 @@ def train_all(args) -> dict[str, dict]:
                        n_layers=args.layers, n_heads=4)
     out = {}
     for name, (dtype_name, recipe) in RUNS.items():
-        dtype, fp8 = resolve_precision(dtype_name, recipe or "delayed")
+        dtype, fp8 = resolve_precision(dtype_name, recipe)
         start = GPT(mcfg, seed=0).to(torch.bfloat16).float()     # the same numbers for every run
         run = TrainingRun(mcfg, ParallelConfig(), dtype=dtype, fp8=fp8, lr=args.lr, reference=start)
         losses = []

@@ -16,7 +16,7 @@ benchmarks, the checkpoints and the lessons. What a run splits decides what is b
                  ZeRO stage (the default, 0), has dp or ep > 1, or trains in 16 bits;
                  otherwise the model keeps its own .grad and torch's AdamW steps it
                  (FusedAdamW with the kernels), as a plain single-device script would
-  the precision  `resolve_precision`, the one rule from a name to what a run holds: float32,
+  the precision  precision.py's `resolve_precision`, the one rule from a name to what a run holds: float32,
                  float64, bfloat16, float16, or fp8 = bfloat16 training (fp32 master weights and
                  Adam states) whose block GEMMs run in FP8 (tensor_parallel/fp8_linear.py)
 
@@ -45,10 +45,8 @@ from ..pipeline.schedules import make_schedule
 from ..runtime import comm
 from ..tensor_parallel.fp8 import FP8Recipe
 from ..tensor_parallel.fp8_linear import enable_fp8
+from .precision import DTYPES, PRECISIONS, SIXTEEN_BIT, fp8_refusal, resolve_precision  # noqa: F401
 from .step import NO_HOOKS, StepHooks, StepOutput, forward_backward, replica_rows
-
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-
 
 def resolve_schedule(pcfg: ParallelConfig, name=None, microbatches: int | None = None):
     """The pipeline Schedule a run steps with, or None (pp = virtual = 1 and no name given).
@@ -67,41 +65,6 @@ def resolve_schedule(pcfg: ParallelConfig, name=None, microbatches: int | None =
 def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> bool:
     """Whether a run steps through a data-parallel engine and ZeroOptimizer."""
     return pcfg.dp > 1 or pcfg.ep > 1 or zero is not None or dtype in SIXTEEN_BIT
-
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
-PRECISIONS = (*DTYPES, "fp8")      # what --dtype takes
-
-
-def resolve_precision(name: str, fp8_recipe: str = "delayed") -> tuple[torch.dtype, FP8Recipe | None]:
-    """--dtype NAME [--fp8-recipe R] -> (the weights' and activations' dtype, the FP8 recipe).
-
-    fp8 is bf16 training with FP8 GEMMs: the weights, activations and the gradients between
-    layers stay bf16, the optimizer keeps fp32 masters and moments, and each GEMM of the
-    blocks casts its operands to FP8 on the way in (tensor_parallel/fp8_linear.py)."""
-    if name == "fp8":
-        return torch.bfloat16, FP8Recipe(fp8_recipe)
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r}: choose one of {', '.join(PRECISIONS)}")
-    return DTYPES[name], None
-
-
-def fp8_refusal(mcfg: ModelConfig, dtype: torch.dtype, fp8: FP8Recipe | None, schedule) -> str | None:
-    """Why FP8 GEMMs cannot run in this configuration, or None."""
-    if fp8 is None:
-        return None
-    if dtype != torch.bfloat16:
-        return (f"FP8 GEMMs run inside bfloat16 training (bf16 activations, fp32 master weights), "
-                f"not {dtype}: use --dtype fp8 alone")
-    if schedule is not None and any(a.kind == "W" for acts in schedule.actions.values() for a in acts):
-        return (f"schedule {schedule.name} defers dL/dW (tensor_parallel/weight_grad.py), which the "
-                f"FP8 GEMMs do not yet: use --schedule 1f1b (or gpipe, interleaved) with --dtype fp8")
-    if fp8.scaling == "delayed" and mcfg.recompute == "full":
-        return ("full recomputation reruns every layer's forward, which would record each amax twice "
-                "and cast the rerun with a newer scale than the first forward: use --recompute "
-                "selective or none, or --fp8-recipe current")
-    return None
 
 
 def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:

@@ -15,7 +15,8 @@ from . import __doc__ as VERIFY_DOC
 from .plants import Plant
 from ..train.cli import UsageError, _Parser
 from ..tensor_parallel.fp8 import RECIPES
-from ..train.engine import PRECISIONS, check_supported, resolve_precision, resolve_schedule, uses_engine
+from ..train.engine import check_supported, resolve_schedule, uses_engine
+from ..train.precision import PRECISIONS, resolve_precision
 from .run import check_comparable, check_kernels_dtype, split_batch, verify
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
@@ -98,9 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=PRECISIONS, default="float32",
                    help="16-bit: fp32 master weights; fp8: bf16 training with FP8 GEMMs in the "
                         "blocks, compared with the float32 reference (see the module docstring)")
-    r.add_argument("--fp8-recipe", choices=RECIPES, default="delayed",
-                   help="with --dtype fp8: each tensor's scale from an amax history (delayed) or "
-                        "from its own amax (current)")
+    r.add_argument("--fp8-recipe", choices=RECIPES, default=None,
+                   help="with --dtype fp8: each tensor's scale from an amax history (delayed, the "
+                        "default) or from its own amax (current)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
@@ -172,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                            capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
                            aux_loss_coeff=args.aux_loss, z_loss_coeff=args.z_loss)
         validate_model(pcfg, mcfg)
-        Plant(args.plant)
         dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe)
+        Plant(args.plant).check_fp8(fp8)
         check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)
         check_comparable(mcfg, sched)
         kernels = "kernels=off (plain torch ops)"

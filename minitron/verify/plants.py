@@ -97,15 +97,19 @@ class Plant(StepHooks):
         for m in layers:
             m.dispatcher.plant = self.kind[len("moe-"):]
 
+    def check_fp8(self, recipe) -> "Plant":
+        """Refuse an fp8-* plant the run cannot hold (before any rank starts)."""
+        if self.kind.startswith("fp8-") and recipe is None:
+            raise ValueError(f"plant {self.kind} needs FP8 layers: add --dtype fp8")
+        if self.kind == "fp8-stale-amax" and recipe.scaling != "delayed":
+            raise ValueError("plant fp8-stale-amax breaks the amax history, which only delayed "
+                             "scaling keeps: use --fp8-recipe delayed")
+        return self
+
     def _install_fp8(self, model) -> None:
-        states = fp8_states(model)
-        if not states:
-            raise ValueError(f"plant {self.kind} needs FP8 layers (--dtype fp8)")
-        for state in states:
+        for state in fp8_states(model):
             if self.kind == "fp8-double-scale":
                 state.plant = "double-scale"
-            elif state.recipe.scaling != "delayed":
-                raise ValueError("plant fp8-stale-amax breaks the amax history: use --fp8-recipe delayed")
             else:
                 for scaler in state.scalers():
                     scaler.stale_amax = 1.0

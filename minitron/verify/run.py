@@ -27,7 +27,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     `batch` defaults to one sample per micro-batch (2 without a pipeline), per dp replica.
     `zero` (0-3; dp > 1 and 16-bit dtypes too) steps through a data-parallel engine.
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
-    (see enable_kernels). fp8: an FP8Recipe, with dtype=torch.bfloat16 (train.engine.
+    (see enable_kernels). fp8: an FP8Recipe, with dtype=torch.bfloat16 (train.precision.
     resolve_precision): the split model's block GEMMs in FP8, against the float32 reference.
     """
     check_adamw(lr, eps)
@@ -41,7 +41,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
-    Plant(plant)                                      # an unknown plant fails here, not in a rank
+    Plant(plant).check_fp8(fp8)                       # an unknown plant fails here, not in a rank
     if model_config.dropout_rng == "per_rank" and model_config.dropout > 0:
         raise ValueError("dropout_rng='per_rank' draws masks no single device draws, so nothing can be "
                          "compared: verify with dropout_rng='exact' (the default) or dropout=0")
