@@ -45,7 +45,7 @@ from ..pipeline.schedules import make_schedule
 from ..runtime import comm
 from ..tensor_parallel.fp8 import FP8Recipe
 from ..tensor_parallel.fp8_linear import enable_fp8
-from .precision import DTYPES, PRECISIONS, SIXTEEN_BIT, fp8_refusal, resolve_precision  # noqa: F401
+from .precision import DTYPES, SIXTEEN_BIT, fp8_refusal
 from .step import NO_HOOKS, StepHooks, StepOutput, forward_backward, replica_rows
 
 def resolve_schedule(pcfg: ParallelConfig, name=None, microbatches: int | None = None):
