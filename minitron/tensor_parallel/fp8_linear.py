@@ -54,12 +54,11 @@ class FP8State:
 def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """(a b) / (a_scale b_scale) for FP8 matrices a [m, k] and b [k, n], accumulated in float32."""
-    inv = (a_scale * b_scale).reciprocal()
     if a.is_cuda and gpu_has_fp8(a.device):
         # _scaled_mm wants a row-major, b column-major, and the inverse scales (float32 scalars)
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
                                 scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
-    return (a.float() @ b.float() * inv).to(out_dtype)
+    return (a.float() @ b.float() * (a_scale * b_scale).reciprocal()).to(out_dtype)
 
 
 def gpu_has_fp8(device) -> bool:
