@@ -1,4 +1,4 @@
-"""python -m minitron.bench overhead | overlap | kernels: measured side by side, printed as ratios.
+"""python -m minitron.bench overhead | overlap | kernels | precision: measured side by side.
 
 overhead (overhead.py): what the parallel machinery costs when there is nothing to split.
 overlap: at dp=2 on the CPU (gloo), the share of the gradient all-reduce time hidden behind
@@ -6,4 +6,6 @@ backward, from a measured timeline (overlap.py); with --tp 2, beside it, the sha
 parallelism's all-gather / reduce-scatter hidden behind the GEMMs by the chunked ring (tp_overlap.py).
 
 kernels: the fused Triton kernels' benchmark (kernels.py), when it is installed.
+
+precision: one short training run in float32, bf16 and FP8, loss curves and gaps (precision.py).
 """

@@ -25,7 +25,12 @@ def kernels(argv: list[str]) -> int:
     return kernel_bench.run(argv) or 0
 
 
-COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels}
+def precision(argv: list[str]) -> int:
+    from .precision import run
+    return run(argv)
+
+
+COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels, "precision": precision}
 
 
 def main(argv: list[str] | None = None) -> int:

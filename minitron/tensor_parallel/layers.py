@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime.comm import Group
+from .fp8_linear import fp8_linear
 from .weight_grad import linear   # F.linear, deferrable for zero-bubble schedules (weight_grad.py)
 from .overlap import allgather_matmul, matmul_reduce_scatter   # comm_overlap: overlap.py
 from .mappings import (copy_to_tensor_model_parallel_region,
@@ -32,6 +33,12 @@ from .mappings import (copy_to_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_model_parallel_region)
+
+
+def _gemm(layer: nn.Module, x, weight, bias=None):
+    """This layer's local GEMM: F.linear, or in FP8 once fp8_linear.enable_fp8 gave it a state."""
+    state = getattr(layer, "fp8", None)
+    return linear(x, weight, bias) if state is None else fp8_linear(x, weight, bias, state)
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -82,8 +89,8 @@ class ColumnParallelLinear(nn.Module):
         else:                        # f: identity now, all-reduce of dL/dx in backward
             x = copy_to_tensor_model_parallel_region(x, self.group)
         if self.skip_bias_add:
-            return linear(x, self.weight), self.bias
-        y = linear(x, self.weight, self.bias)
+            return _gemm(self, x, self.weight), self.bias
+        y = _gemm(self, x, self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -117,7 +124,7 @@ class RowParallelLinear(nn.Module):
         if self.comm_overlap:            # the GEMM and the reduce-scatter in one (overlap.py)
             y = matmul_reduce_scatter(x, self.weight, self.group)
             return y + self.bias if self.bias is not None else y
-        partial = linear(x, self.weight)
+        partial = _gemm(self, x, self.weight)
         if self.sequence_parallel:       # sum the partials and keep our part of the sequence
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group)
         else:                            # g: all-reduce now, identity in backward

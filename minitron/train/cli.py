@@ -36,7 +36,9 @@ from ..model.fused import enable_kernels
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
 from ..pipeline.partition import check_placement
+from ..tensor_parallel.fp8 import RECIPES
 from .engine import TrainingRun, check_supported, resolve_schedule
+from .precision import PRECISIONS, resolve_precision
 from .lr import LR_SCHEDULES, describe, learning_rate
 from .out_dir import UsageError, check_replacing, check_writable, claim_out, read_metrics
 from .progress import Progress, plot
@@ -91,8 +93,12 @@ def parser() -> argparse.ArgumentParser:
     o("--min-lr", type=float, default=None, help="where the cosine ends (default lr/10)")
     o("--weight-decay", type=float, default=0.0)
     o("--clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
-    o("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-      help="16-bit: fp32 master weights; float16 with dynamic loss scaling")
+    o("--dtype", choices=tuple(p for p in PRECISIONS if p != "float64"), default="float32",
+      help="16-bit: fp32 master weights; float16 with dynamic loss scaling; fp8: bf16 training "
+           "with the blocks' GEMMs in FP8 (E4M3 forward, E5M2 gradients)")
+    o("--fp8-recipe", choices=RECIPES, default=None,
+      help="with --dtype fp8: scales from an amax history (delayed, the default) or from each "
+           "tensor's own amax (current)")
     r = p.add_argument_group("run").add_argument
     r("--seed", type=int, default=0)
     r("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "data", "corpus.txt"))
@@ -159,12 +165,15 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
         raise UsageError(f"--batch {args.batch} must split into dp*ep={replicas} replicas of "
                          f"{args.microbatches} micro-batches: use a multiple of "
                          f"{replicas * args.microbatches}")
-    args.dtype_ = getattr(torch, args.dtype)
+    try:
+        args.dtype_, args.fp8 = resolve_precision(args.dtype, args.fp8_recipe)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.kernels:
         enable_kernels(mcfg, pcfg.world_size)        # before anything imports triton
     # an unknown or impossible schedule fails here, and what the engine does not run
     check_supported(pcfg, mcfg, args.dtype_, args.zero,
-                    resolve_schedule(pcfg, args.schedule, args.microbatches))
+                    resolve_schedule(pcfg, args.schedule, args.microbatches), args.fp8)
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     check_writable(args.out)
     args.resume_step = None
@@ -206,7 +215,7 @@ def check_flags(args) -> None:
 def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | None):
     run = TrainingRun(mcfg, pcfg, zero_stage=args.zero, microbatches=args.microbatches,
                       schedule=args.schedule, lr=args.lr, weight_decay=args.weight_decay,
-                      max_norm=args.clip or None, dtype=args.dtype_, seed=args.seed)
+                      max_norm=args.clip or None, dtype=args.dtype_, seed=args.seed, fp8=args.fp8)
     lr_at = functools.partial(learning_rate, peak=args.lr, steps=args.steps, warmup=args.warmup,
                               min_lr=args.min_lr, schedule=args.lr_schedule)
     lead = run.grid.rank == 0

@@ -16,6 +16,9 @@ benchmarks, the checkpoints and the lessons. What a run splits decides what is b
                  ZeRO stage (the default, 0), has dp or ep > 1, or trains in 16 bits;
                  otherwise the model keeps its own .grad and torch's AdamW steps it
                  (FusedAdamW with the kernels), as a plain single-device script would
+  the precision  precision.py's `resolve_precision`, the one rule from a name to what a run holds: float32,
+                 float64, bfloat16, float16, or fp8 = bfloat16 training (fp32 master weights and
+                 Adam states) whose block GEMMs run in FP8 (tensor_parallel/fp8_linear.py)
 
 A step is forward_backward (train/step.py) then optimizer_step. grads(), weights() and
 load_grads() read and write this rank's tensors in the reference's names, whatever shards
@@ -40,10 +43,10 @@ from ..moe.router import imbalance
 from ..pipeline.partition import PipelineGPT
 from ..pipeline.schedules import make_schedule
 from ..runtime import comm
+from ..tensor_parallel.fp8 import FP8Recipe
+from ..tensor_parallel.fp8_linear import enable_fp8
+from .precision import DTYPES, SIXTEEN_BIT, fp8_refusal
 from .step import NO_HOOKS, StepHooks, StepOutput, forward_backward, replica_rows
-
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-
 
 def resolve_schedule(pcfg: ParallelConfig, name=None, microbatches: int | None = None):
     """The pipeline Schedule a run steps with, or None (pp = virtual = 1 and no name given).
@@ -64,10 +67,6 @@ def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> b
     return pcfg.dp > 1 or pcfg.ep > 1 or zero is not None or dtype in SIXTEEN_BIT
 
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
-
-
 def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:
     """Why a run of this grid and model cannot be in `dtype` (and be compared with one device),
     or None. One rule, so that every refusal names the same dtypes that work."""
@@ -78,8 +77,14 @@ def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, z
 
 
 def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
-                    zero: int | None, schedule) -> None:
+                    zero: int | None, schedule, fp8: FP8Recipe | None = None) -> None:
     """Refuse, before any rank starts, what the engine does not run (ValueError, with the fix)."""
+    why = fp8_refusal(mcfg, dtype, fp8, schedule)
+    if why:
+        raise ValueError(why)
+    if fp8 is not None and pcfg.tp_comm_overlap:   # overlap.py's ring GEMMs call F.linear
+        raise ValueError("--tp-comm-overlap with --dtype fp8: the ring's chunked GEMMs are not FP8 "
+                         "GEMMs yet: drop --tp-comm-overlap, or use --dtype bfloat16 with it")
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     check_moe_grid(pcfg, mcfg)
@@ -150,7 +155,8 @@ class TrainingRun:
     cut into (gradient accumulation). zero_stage=None builds no engine where none is needed
     (module docstring: the verifier's plain runs); max_norm=None does not clip; loss_scale:
     fp16's fixed scale (default: a dynamic LossScaler).
-    reference: a single-device GPT whose weights and dropout seed the model takes (verify).
+    reference: a single-device GPT whose weights and dropout seed the model takes (verify), cast
+    to `dtype`. fp8: an FP8Recipe (with dtype=bfloat16): the blocks' GEMMs in FP8 (resolve_precision).
     hooks: what a verifier plants in each step (train/step.py StepHooks)."""
 
     def __init__(self, mcfg: ModelConfig, pcfg: ParallelConfig, *, schedule=None,
@@ -158,9 +164,9 @@ class TrainingRun:
                  dtype: torch.dtype = torch.float32, lr: float = 1e-3, eps: float = 1e-8,
                  weight_decay: float = 0.0, max_norm: float | None = 1.0, seed: int = 0,
                  bucket_numel: int | None = DEFAULT_BUCKET_NUMEL, loss_scale: float | None = None,
-                 reference=None, hooks: StepHooks = NO_HOOKS):
+                 reference=None, hooks: StepHooks = NO_HOOKS, fp8: FP8Recipe | None = None):
         self.schedule = resolve_schedule(pcfg, schedule, microbatches)
-        check_supported(pcfg, mcfg, dtype, zero_stage, self.schedule)
+        check_supported(pcfg, mcfg, dtype, zero_stage, self.schedule, fp8)
         check_number("lr", lr, "the learning rate", 1e-3)
         check_number("weight_decay", weight_decay, "the weight decay", 0.0, allow_minimum=True)
         if max_norm is not None:
@@ -170,9 +176,11 @@ class TrainingRun:
         self.microbatches = 1 if self.schedule is not None else (microbatches or 1)
         self.placement = self.schedule.stage_rank if self.schedule is not None else None
         if reference is not None:
-            self.model = PipelineGPT.from_reference(reference, grid, self.placement)
+            self.model = PipelineGPT.from_reference(reference, grid, self.placement).to(dtype)
         else:
             self.model = PipelineGPT(mcfg, grid, self.placement, seed=seed).to(dtype)
+        self.fp8 = fp8
+        self.fp8_layers = enable_fp8(self.model, fp8) if fp8 is not None else []
         self.scaler, self.loss_scale = None, 1.0
         if not uses_engine(pcfg, zero_stage, dtype):
             self.engine, self.side = None, _OwnGrads(self.model, lr, eps, weight_decay)

@@ -55,6 +55,16 @@ C16 * eps16 = 8 * eps16 relative to the tensor's largest entry (bf16 6.2e-2, fp1
 measured at most about 3 eps16). Updates keep the float32 update bar beyond 2 spacings of the
 stored 16-bit weight: both sides step fp32 masters on the same gradients.
 
+`--dtype fp8 [--fp8-recipe delayed|current]` trains the split side in bf16 (fp32 master weights)
+with every GEMM of the blocks in FP8 (tensor_parallel/fp8_linear.py: E4M3 inputs and weights,
+E5M2 output gradients, per-tensor scales from an amax history or from each tensor's own amax)
+and compares it with the float32 reference, whose initial weights are the same bf16 values.
+Logits and loss are held to tolerance_fp8(forward=True) = 2 eps_E4M3 = 0.25, dL/dX and the
+gradients to 2 eps_E5M2 = 0.5, relative to each tensor's largest entry (tensor_parallel/fp8.py
+derives and measures it). Both optimizers step on the same gradients rounded to bf16, so the
+updates keep the float32 bar beyond 2 spacings of the bf16 weight, old or new. The embedding and
+the LM head stay bf16. Plants fp8-stale-amax and fp8-double-scale must fail.
+
 `--experts N` makes the MLP of layers 0, k, 2k, ... (`--moe-every k`) a mixture of N experts
 (minitron/moe/: `--topk`, `--capacity-factor`, `--pre-softmax`, aux and z-loss coefficients),
 and `--ep E` spreads each layer's experts over E ranks (tp defaults to 1 then; with --tp > 1

@@ -16,7 +16,9 @@ from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
 from ..train.cli import UsageError, _Parser
+from ..tensor_parallel.fp8 import RECIPES
 from ..train.engine import check_supported, resolve_schedule, uses_engine
+from ..train.precision import PRECISIONS, resolve_precision
 from .run import check_comparable, check_kernels_dtype, split_batch, verify
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
@@ -40,6 +42,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --cp 4 --cp-variant hierarchical --cp-a2a 2   Ulysses in pairs, ring across
   python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4   ZeRO-3 in stages
   python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
+  python -m minitron.verify --tp 2 --sp --dtype fp8 --fp8-recipe current   FP8 GEMMs vs float32
   python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
@@ -108,8 +111,12 @@ def _parser() -> argparse.ArgumentParser:
                    "MoE layer spread over ep ranks (needs --experts; a replica of the dense layers)")
     r = p.add_argument_group("run")
     r.add_argument("--steps", type=_positive, default=3)
-    r.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
-                   default="float32", help="16-bit: fp32 master weights (see the module docstring)")
+    r.add_argument("--dtype", choices=PRECISIONS, default="float32",
+                   help="16-bit: fp32 master weights; fp8: bf16 training with FP8 GEMMs in the "
+                        "blocks, compared with the float32 reference (see the module docstring)")
+    r.add_argument("--fp8-recipe", choices=RECIPES, default=None,
+                   help="with --dtype fp8: each tensor's scale from an amax history (delayed, the "
+                        "default) or from its own amax (current)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
@@ -207,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                            capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
                            aux_loss_coeff=args.aux_loss, z_loss_coeff=args.z_loss)
         validate_model(pcfg, mcfg)
-        Plant(args.plant)
-        dtype = getattr(torch, args.dtype)
-        check_supported(pcfg, mcfg, dtype, args.zero, sched)
+        dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe)
+        Plant(args.plant).check_fp8(fp8)
+        check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)
         check_comparable(mcfg, sched, dtype, args.reference_routing)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
@@ -223,12 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     if uses_engine(pcfg, args.zero, dtype):
         scale = f" loss_scale={FP16_LOSS_SCALE:g}" if dtype == torch.float16 else ""
         pipeline += f"\ndata parallel: zero={args.zero or 0} bucket_numel={BUCKET_NUMEL}{scale}"
+    if fp8 is not None:
+        pipeline += (f"\nfp8: {fp8} in the blocks' GEMMs (E4M3 forward, E5M2 gradients), bf16 "
+                     f"elsewhere; against the float32 reference")
     print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
           f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
                     batch=batch, plant=args.plant, schedule=args.schedule,
                     microbatches=args.microbatches, zero=args.zero,
-                    reference_routing=args.reference_routing)
+                    reference_routing=args.reference_routing, fp8=fp8)
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1

@@ -5,7 +5,8 @@ Each plant breaks one thing at one point of a step and should be caught by exact
 row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
 tensor's update, or in one logit; in the pipeline executor, a gradient delivered to the wrong
 stage or a W dropped; in an MoE layer, a wrong split size, an unpermute off by one or a
-token sent to the wrong expert.
+token sent to the wrong expert; in the FP8 GEMMs (--dtype fp8), a scale never updated from its
+amax history or one applied twice.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from ..data_parallel.zero3 import ZeroStage3
 from ..grid import Grid
+from ..tensor_parallel.fp8_linear import fp8_states
 from ..train.step import StepHooks
 
 PLANTS = {
@@ -48,6 +50,9 @@ PLANTS = {
                      "to the wrong tokens",
     "moe-route": "experts: each rank sends its first token's first choice to an expert the router "
                  "did not choose (a token sent to the wrong expert)",
+    "fp8-stale-amax": "FP8, delayed scaling: the amax history holds a stale amax of 1.0 and is never "
+                      "updated, so a norm's output (amax 3-4) saturates: clipped to +-1",
+    "fp8-double-scale": "FP8: each GEMM's output divides out the weight's scale twice (y / (s_x s_w^2))",
 }
 
 
@@ -87,12 +92,15 @@ class Plant(StepHooks):
         return found
 
     def install(self, model) -> None:
-        """Put a dispatch fault into every MoE layer of `model` (moe-* plants), or the ring's
-        wrong chunk into overlap.py (reset by every run: a pool's ranks outlive one)."""
+        """Put a dispatch fault into every MoE layer of `model` (moe-* plants), the ring's wrong
+        chunk into overlap.py (reset by every run: a pool's ranks outlive one), or a scaling fault
+        into every FP8 layer (fp8-* plants)."""
         from ..tensor_parallel import overlap
         overlap.plant_wrong_chunk(self.kind == "tp-overlap-chunk")
         if self.kind == "tp-overlap-chunk" and not model.grid.tp_comm_overlap:
             raise ValueError("plant tp-overlap-chunk needs --tp-comm-overlap (with --sp)")
+        if self.kind.startswith("fp8-"):
+            return self._install_fp8(model)
         if not self.kind.startswith("moe-"):
             return
         layers = [m for m in model.modules() if hasattr(m, "dispatcher")]
@@ -100,6 +108,23 @@ class Plant(StepHooks):
             raise ValueError(f"plant {self.kind} needs a model with experts (--experts)")
         for m in layers:
             m.dispatcher.plant = self.kind[len("moe-"):]
+
+    def check_fp8(self, recipe) -> "Plant":
+        """Refuse an fp8-* plant the run cannot hold (before any rank starts)."""
+        if self.kind.startswith("fp8-") and recipe is None:
+            raise ValueError(f"plant {self.kind} needs FP8 layers: add --dtype fp8")
+        if self.kind == "fp8-stale-amax" and recipe.scaling != "delayed":
+            raise ValueError("plant fp8-stale-amax breaks the amax history, which only delayed "
+                             "scaling keeps: use --fp8-recipe delayed")
+        return self
+
+    def _install_fp8(self, model) -> None:
+        for state in fp8_states(model):
+            if self.kind == "fp8-double-scale":
+                state.plant = "double-scale"
+            else:
+                for scaler in state.scalers():
+                    scaler.stale_amax = 1.0
 
     def _on_rank_1(self, grid: Grid) -> bool:
         if grid.tp.size < 2:

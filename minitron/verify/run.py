@@ -20,7 +20,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
            batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
            plant: str | None = None, schedule: str | None = None,
            microbatches: int | None = None, zero: int | None = None,
-           reference_routing: bool = False) -> Report:
+           reference_routing: bool = False, fp8=None) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
@@ -31,19 +31,21 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     (see enable_kernels). `reference_routing`: the split model's routers take the reference's
     (token, expert) choices, so a 16-bit rounding flip of a top-k does not end the comparison
     (verify/routing.py).
+    (see enable_kernels). fp8: an FP8Recipe, with dtype=torch.bfloat16 (train.precision.
+    resolve_precision): the split model's block GEMMs in FP8, against the float32 reference.
     """
     check_adamw(lr, eps)
     sched = resolve_schedule(parallel_config, schedule, microbatches)
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
-    check_supported(parallel_config, model_config, dtype, zero, sched)
+    check_supported(parallel_config, model_config, dtype, zero, sched, fp8)
     check_comparable(model_config, sched, dtype, reference_routing)
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
-    Plant(plant)                                      # an unknown plant fails here, not in a rank
+    Plant(plant).check_fp8(fp8)                       # an unknown plant fails here, not in a rank
     if model_config.dropout_rng == "per_rank" and model_config.dropout > 0:
         raise ValueError("dropout_rng='per_rank' draws masks no single device draws, so nothing can be "
                          "compared: verify with dropout_rng='exact' (the default) or dropout=0")
@@ -51,7 +53,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
-                  plant, sched, zero, reference_routing, world_size=parallel_config.world_size,
+                  plant, sched, zero, reference_routing, fp8, world_size=parallel_config.world_size,
                   timeout=timeout)[0]
     return Report(rows)
 

@@ -21,6 +21,7 @@ from ..model.config import ModelConfig
 from ..model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from ..model.reference import GPT
 from ..runtime import comm
+from ..tensor_parallel.fp8 import tolerance_fp8
 from ..train.engine import SIXTEEN_BIT, TrainingRun
 from .checks import Row, float32_tolerance, grad_rows, replica_rows, sum_rows, update_rows
 from . import routing
@@ -112,7 +113,7 @@ def drop_rows(step: int, kept: list[torch.Tensor], ref, shape) -> list[Row]:
 def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.dtype = torch.float32,
              seed: int = 0, lr: float = 1e-4, eps: float = 1e-6, batch: int = 2,
              seq: int | None = None, plant: str | None = None, schedule=None,
-             zero: int | None = None, reference_routing: bool = False) -> list[Row] | None:
+             zero: int | None = None, reference_routing: bool = False, fp8=None) -> list[Row] | None:
     """The body every rank runs; rank 0 also runs the reference and returns the rows.
 
     `schedule` (a pipeline Schedule, see train.engine.resolve_schedule): the model is cut into
@@ -122,9 +123,11 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     `reference_routing`: the split model's routers take the reference's choices (routing.py)."""
     seq, planted = seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
+    if fp8 is not None:     # FP8 against float32: weights both sides hold exactly (bf16 values)
+        ref = ref.float()
     run = TrainingRun(mcfg, pcfg, schedule=schedule, zero_stage=zero, dtype=dtype, lr=lr, eps=eps,
                       weight_decay=WEIGHT_DECAY, max_norm=None, bucket_numel=BUCKET_NUMEL,
-                      loss_scale=FP16_LOSS_SCALE, reference=ref, hooks=planted)
+                      loss_scale=FP16_LOSS_SCALE, reference=ref, hooks=planted, fp8=fp8)
     model, grid, placement = run.model, run.grid, run.placement
     lead = grid.rank == 0
     tied_across_stages = model.tied_across_ranks
@@ -132,12 +135,14 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     if run.engine is not None:
         planted.engine(run.engine)
     ref.to(grid.device)   # masks are drawn on the tensors' device: the same stream as the ranks'
-    sixteen = dtype in SIXTEEN_BIT
+    sixteen = dtype in SIXTEEN_BIT and fp8 is None       # the reference in the same 16 bits
     ref_opt = (MasterWeightsAdamW(ref, lr=lr, eps=eps) if sixteen
                else torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps, weight_decay=WEIGHT_DECAY))
     tol = tolerance16(dtype) if sixteen else float32_tolerance(mcfg, batch, seq)
     # which choices the routers made, against the reference's: 16-bit experts or imposed choices
     count_choices = bool(mcfg.n_experts) and (sixteen or reference_routing) and run.schedule is None
+    # FP8: forward rows at E4M3's bar, backward rows at E5M2's (tensor_parallel/fp8.py)
+    tol_fwd, tol_bwd = (tolerance_fp8(forward=True), tolerance_fp8(forward=False)) if fp8 else (tol, tol)
     rows: list[Row] = []
     for step in range(steps):
         tokens, targets = (t.to(grid.device) for t in make_batch(step, seed, batch, seq, mcfg.vocab_size))
@@ -170,10 +175,14 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         if lead:
             ref_x, ref_logits, ref_loss = ref_out or reference()
             rows += routing.routing_rows(step, used, own, ref, tokens.shape) if count_choices else []
-            rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (out.loss, ref_loss),
-                                    "dL/dX": (out.dx, ref_x.grad)}, tol)
+            rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (out.loss, ref_loss)},
+                             tol_fwd)
+            rows += sum_rows(step, {"dL/dX": (out.dx, ref_x.grad)}, tol_bwd)
             rows += drop_rows(step, kept, ref, tokens.shape)
-            rows += grad_rows(step, grads, grads_state_dict(ref), tol) + grad_replicas
+            rows += grad_rows(step, grads, grads_state_dict(ref), tol_bwd) + grad_replicas
+            if fp8 is not None:   # the split side holds bf16 gradients: both step on those
+                for p in ref.parameters():
+                    p.grad = p.grad.to(dtype).float()
         # Both optimizers step on the reference's gradients: the step is checked on its own.
         ref_grads = _from_rank0({n: p.grad if lead else torch.empty_like(p)
                                  for n, p in ref.named_parameters()}, grid)

@@ -1,0 +1,122 @@
+"""python -m minitron.bench precision: the same short training run in float32, bf16 and FP8.
+
+Every run goes through the one engine (train/engine.py TrainingRun) on one CPU rank, from the
+same initial weights (bf16-rounded, so every run starts from the same numbers), on the same
+batches of the shipped corpus (data/corpus.txt), with the same learning-rate schedule: only
+the precision differs (train.precision.resolve_precision). Writes the per-step losses to a CSV
+(bench/results/precision_fp8.csv, headed by the date and the command) and the curves overlaid
+(lessons/figures/fp8_loss_curves.png), and prints the gap: each run's mean training loss
+over the last `--tail` steps and its held-out loss, against float32's.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+
+from ..grid import ParallelConfig
+from ..model.config import ModelConfig
+from ..model.reference import GPT
+from ..runtime.launch import launch
+from ..train import data
+from ..train.engine import TrainingRun
+from ..train.precision import resolve_precision
+from ..train.lr import learning_rate
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+RUNS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),
+        "fp8 delayed": ("fp8", "delayed"), "fp8 current": ("fp8", "current")}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minitron.bench precision", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--tail", type=int, default=20, help="steps the final training loss is averaged over")
+    p.add_argument("--csv", default=os.path.join(ROOT, "bench", "results", "precision_fp8.csv"))
+    p.add_argument("--figure", default=os.path.join(ROOT, "lessons", "figures", "fp8_loss_curves.png"))
+    return p
+
+
+def train_all(args) -> dict[str, dict]:
+    """One rank: every run of RUNS in turn; {name: {'loss': [per step], 'held_out': float}}."""
+    tokens = data.encode(open(os.path.join(ROOT, "data", "corpus.txt"), encoding="utf-8").read())
+    train, val = data.split(tokens)
+    loader, held = data.Loader(train, args.batch, args.seq, 0), data.Loader(val, args.batch, args.seq, 1)
+    mcfg = ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
+                       n_layers=args.layers, n_heads=4)
+    out = {}
+    for name, (dtype_name, recipe) in RUNS.items():
+        dtype, fp8 = resolve_precision(dtype_name, recipe)
+        start = GPT(mcfg, seed=0).to(torch.bfloat16).float()     # the same numbers for every run
+        run = TrainingRun(mcfg, ParallelConfig(), dtype=dtype, fp8=fp8, lr=args.lr, reference=start)
+        losses = []
+        for step in range(args.steps):
+            run.set_lr(learning_rate(step, peak=args.lr, steps=args.steps, warmup=args.steps // 10,
+                                     min_lr=args.lr / 10))
+            losses.append(run.step(*loader.batch(step), step))
+        held_out = sum(run.evaluate(*held.batch(k)) for k in range(4)) / 4
+        out[name] = {"loss": losses, "held_out": held_out}
+    return out
+
+
+def write_csv(path: str, results: dict, command: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    names = list(results)
+    with open(path, "w") as f:
+        f.write(f"# date: {datetime.date.today().isoformat()}\n# command: {command}\n")
+        f.write("# held-out loss: " + ", ".join(f"{n} {r['held_out']:.4f}" for n, r in results.items()) + "\n")
+        f.write("step," + ",".join(n.replace(" ", "_") for n in names) + "\n")
+        for step in range(len(results[names[0]]["loss"])):
+            f.write(f"{step}," + ",".join(f"{results[n]['loss'][step]:.5f}" for n in names) + "\n")
+
+
+def plot(path: str, results: dict, tail: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (full, end) = plt.subplots(1, 2, figsize=(11, 4))
+    window = min(4 * tail, len(next(iter(results.values()))["loss"]))
+    for name, r in results.items():
+        loss = r["loss"]
+        full.plot(loss, label=name, lw=1)
+        end.plot(range(len(loss) - window, len(loss)), loss[-window:], label=name, lw=1)
+    full.set(xlabel="step", ylabel="training loss", title="the same run in four precisions")
+    end.set(xlabel="step", title=f"the last {window} steps")
+    full.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def gaps(results: dict, tail: int) -> list[str]:
+    base = results["float32"]
+    ref_tail = sum(base["loss"][-tail:]) / tail
+    lines = [f"{'run':<12} {'train loss (last %d)' % tail:>22} {'vs float32':>11} {'held-out':>9} {'vs float32':>11}"]
+    for name, r in results.items():
+        t = sum(r["loss"][-tail:]) / tail
+        lines.append(f"{name:<12} {t:22.4f} {t - ref_tail:+11.4f} {r['held_out']:9.4f} "
+                     f"{r['held_out'] - base['held_out']:+11.4f}")
+    return lines
+
+
+def run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    results = launch(train_all, args, world_size=1)[0]
+    command = "python -m minitron.bench precision " + " ".join(argv)
+    write_csv(args.csv, results, command.strip())
+    plot(args.figure, results, args.tail)
+    print("\n".join(gaps(results, args.tail)))
+    print(f"wrote {os.path.relpath(args.csv)} and {os.path.relpath(args.figure)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

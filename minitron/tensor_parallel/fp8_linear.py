@@ -1,0 +1,117 @@
+"""The FP8 linear layer: y = x W^T + b with both GEMM operands cast to FP8 (fp8.py), and the
+backward's output gradient too.
+
+    forward    y  = (q_x q_w^T) / (s_x s_w) + b          q_x = E4M3(x s_x), q_w = E4M3(W s_w)
+    backward   dx = (q_g q_w) / (s_g s_w)                 q_g = E5M2(dy s_g)
+               dW = (q_g^T q_x) / (s_g s_x)               db = sum of dy (unquantized)
+
+The GEMMs multiply FP8 numbers and accumulate in float32, then rescale once and round to the
+activations' dtype (bf16). On a CPU this is emulated exactly: the FP8 tensors are widened to
+float32 (every FP8 value is a float32 value, and a product of two fits float32's 24 bits) and
+multiplied there, so the result is what an FP8 GEMM with float32 accumulation gives, up to
+the order of the sum. On a GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper,
+Blackwell) the same GEMM is torch._scaled_mm. The input and weight casts are saved for the
+backward (the FP8 copies, 1 byte per element, not the bf16 tensors).
+
+Each tensor-parallel rank scales its own shards (a column shard of W, its slice of x's
+features in a row-parallel layer): a finer scale than the whole tensor's. Transformer Engine
+also all-reduces the amaxes over the tensor-parallel group so replicated tensors keep equal
+scales; here every replicated FP8 operand (x after an SP all-gather, dy of a row-parallel
+layer) is already identical across tp, so its amax and scale are too.
+
+Which layers: every GEMM of the transformer blocks (qkv, attention out, fc1, fc2). The
+embedding (a lookup: no GEMM to speed up) and the output layer stay bf16, as in Megatron-LM
+with Transformer Engine: the logits feed a softmax over the whole vocabulary, where an E4M3
+error of 6% in the largest logits moves the probabilities themselves, and the LM head's
+gradient is the loss's gradient, largest in dynamic range (NVIDIA's FP8 guidance keeps both).
+The master weights and Adam states are the bf16 run's: fp32, in the optimizer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
+
+KEEP_BF16 = ("lm_head",)          # module names never cast to FP8 (the docstring says why)
+
+
+class FP8State:
+    """One layer's three scalers (input, weight, output gradient) and its planted bug, if any
+    ("double-scale": the weight's scale is divided out twice; verify/plants.py)."""
+
+    def __init__(self, recipe: FP8Recipe):
+        self.recipe = recipe
+        self.input = TensorScaler(E4M3, recipe)
+        self.weight = TensorScaler(E4M3, recipe)
+        self.grad = TensorScaler(E5M2, recipe)
+        self.plant: str | None = None
+
+    def scalers(self) -> tuple[TensorScaler, ...]:
+        return self.input, self.weight, self.grad
+
+
+def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """(a b) / (a_scale b_scale) for FP8 matrices a [m, k] and b [k, n], accumulated in float32."""
+    if a.is_cuda and gpu_has_fp8(a.device):
+        # _scaled_mm wants a row-major, b column-major, and the inverse scales (float32 scalars)
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
+                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+    return (a.float() @ b.float() * (a_scale * b_scale).reciprocal()).to(out_dtype)
+
+
+def gpu_has_fp8(device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: FP8State):
+        s_x, s_w = state.input.scale_for(x), state.weight.scale_for(weight)
+        q_x = quantize(x, s_x, E4M3).reshape(-1, x.shape[-1])       # [tokens, in]
+        q_w = quantize(weight, s_w, E4M3)                           # [out, in]
+        s_wy = s_w * s_w if state.plant == "double-scale" else s_w
+        y = scaled_matmul(q_x, s_x, q_w.t(), s_wy, x.dtype).reshape(*x.shape[:-1], -1)
+        ctx.save_for_backward(q_x, q_w, s_x, s_w)
+        ctx.state, ctx.has_bias, ctx.dtypes = state, bias is not None, (x.dtype, weight.dtype)
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q_x, q_w, s_x, s_w = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g = dy.reshape(-1, dy.shape[-1])                            # [tokens, out]
+        s_g = ctx.state.grad.scale_for(g)
+        q_g = quantize(g, s_g, E5M2)
+        dx = scaled_matmul(q_g, s_g, q_w, s_w, x_dtype).reshape(*dy.shape[:-1], -1)
+        dw = scaled_matmul(q_g.t(), s_g, q_x, s_x, w_dtype)
+        db = g.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               state: FP8State) -> torch.Tensor:
+    """F.linear(x, weight, bias) with FP8 GEMMs (module docstring); `state` holds the scales."""
+    return _FP8Linear.apply(x, weight, bias, state)
+
+
+def enable_fp8(model: nn.Module, recipe: FP8Recipe) -> list[str]:
+    """Give every tensor-parallel linear layer of the blocks an FP8State (the others, KEEP_BF16,
+    stay as they are); returns the names of the layers now in FP8."""
+    from .layers import ColumnParallelLinear, RowParallelLinear
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
+                and name.split(".")[-1] not in KEEP_BF16:
+            module.fp8 = FP8State(recipe)
+            names.append(name)
+    return names
+
+
+def fp8_states(model: nn.Module) -> list[FP8State]:
+    return [m.fp8 for m in model.modules() if getattr(m, "fp8", None) is not None]
+
+
+__all__ = ["FP8State", "KEEP_BF16", "scaled_matmul", "gpu_has_fp8", "fp8_linear", "enable_fp8",
+           "fp8_states"]

@@ -1,0 +1,58 @@
+"""The one rule from a precision's name to what a run holds (train/engine.py TrainingRun).
+
+    float32, float64        the model in that dtype, torch's AdamW or ZeroOptimizer on it
+    bfloat16, float16       16-bit weights, activations and gradients; fp32 master weights and
+                            Adam moments in the optimizer; float16 with a loss scaler
+    fp8                     bfloat16 training whose block GEMMs cast their operands to FP8
+                            (tensor_parallel/fp8_linear.py), by a recipe (--fp8-recipe)
+
+The command lines (train, verify, bench precision) and the engine's refusals read it from here.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.config import ModelConfig
+from ..tensor_parallel.fp8 import FP8Recipe
+
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+PRECISIONS = (*DTYPES, "fp8")      # what --dtype takes
+
+
+def resolve_precision(name: str, fp8_recipe: str | None = None) -> tuple[torch.dtype, FP8Recipe | None]:
+    """--dtype NAME [--fp8-recipe R] -> (the weights' and activations' dtype, the FP8 recipe;
+    delayed scaling unless R says otherwise).
+
+    fp8 is bf16 training with FP8 GEMMs: the weights, activations and the gradients between
+    layers stay bf16, the optimizer keeps fp32 masters and moments, and each GEMM of the
+    blocks casts its operands to FP8 on the way in (tensor_parallel/fp8_linear.py)."""
+    if name == "fp8":
+        return torch.bfloat16, FP8Recipe(fp8_recipe or "delayed")
+    if fp8_recipe is not None:
+        raise ValueError(f"--fp8-recipe {fp8_recipe} chooses the scales of FP8 GEMMs, which only "
+                         f"--dtype fp8 has: add --dtype fp8, or drop --fp8-recipe")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: choose one of {', '.join(PRECISIONS)}")
+    return DTYPES[name], None
+
+
+def fp8_refusal(mcfg: ModelConfig, dtype: torch.dtype, fp8: FP8Recipe | None, schedule) -> str | None:
+    """Why FP8 GEMMs cannot run in this configuration, or None."""
+    if fp8 is None:
+        return None
+    if mcfg.n_experts:
+        return ("experts with --dtype fp8: a bf16 or FP8 router's top-k choice flips on rounding "
+                "differences (the experts run in float32 so far): use --dtype float32")
+    if dtype != torch.bfloat16:
+        return (f"FP8 GEMMs run inside bfloat16 training (bf16 activations, fp32 master weights), "
+                f"not {dtype}: use --dtype fp8 alone")
+    if schedule is not None and any(a.kind == "W" for acts in schedule.actions.values() for a in acts):
+        return (f"schedule {schedule.name} defers dL/dW (tensor_parallel/weight_grad.py), which the "
+                f"FP8 GEMMs do not yet: use --schedule 1f1b (or gpipe, interleaved) with --dtype fp8")
+    if fp8.scaling == "delayed" and mcfg.recompute == "full":
+        return ("full recomputation reruns every layer's forward, which would record each amax twice "
+                "and cast the rerun with a newer scale than the first forward: use --recompute "
+                "selective or none, or --fp8-recipe current")
+    return None
