@@ -147,8 +147,12 @@ def _linear_seconds(m: int, n: int, k: int, gpu: GPU, batch: int = 1) -> tuple[f
 
 
 def members_per_node(dim: str, par: Parallel, gpus_per_node: int) -> int:
+    """How many of a `dim` group's members share a node (1 when groups straddle nodes unevenly)."""
     stride = math.prod(getattr(par, d) for d in DIMS[:DIMS.index(dim)])
-    return max(1, min(getattr(par, dim), gpus_per_node // stride))
+    size = getattr(par, dim)
+    if stride * size <= gpus_per_node:
+        return size if gpus_per_node % (stride * size) == 0 else 1
+    return gpus_per_node // stride if gpus_per_node % stride == 0 and stride < gpus_per_node else 1
 
 
 def link(dim: str, par: Parallel, cluster: Cluster, point_to_point: bool = False) -> tuple[float, float]:
@@ -237,10 +241,12 @@ def step_time(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: i
     if m < 1 or global_batch % (par.dp * par.ep * par.micro_batch):
         raise ValueError(f"global batch {global_batch} is not a multiple of dp*ep*micro_batch = "
                          f"{par.dp * par.ep * par.micro_batch}")
-    per_stage = {}
-    for i in range(cfg.n_layers // par.pp):        # rank 0's layers (MoE every k-th)
-        for k, v in layer_seconds(cfg, par, cluster, seq, bool(cfg.n_experts) and cfg.is_moe_layer(i)).items():
-            per_stage[k] = per_stage.get(k, 0.0) + v
+    layers = cfg.n_layers // par.pp                 # rank 0's layers, MoE every k-th
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(layers)) if cfg.n_experts else 0
+    per_stage = {k: (layers - n_moe) * v for k, v in layer_seconds(cfg, par, cluster, seq, False).items()}
+    if n_moe:
+        for k, v in layer_seconds(cfg, par, cluster, seq, True).items():
+            per_stage[k] += n_moe * v
     head = _head_seconds(cfg, par, cluster, seq)
     busiest = dict(per_stage)                       # the stage with the output layer (and embedding)
     for k, v in head.items():
