@@ -25,7 +25,12 @@ def kernels(argv: list[str]) -> int:
     return kernel_bench.run(argv) or 0
 
 
-COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels}
+def scaling(argv: list[str]) -> int:
+    from .scaling import run
+    return run(argv)
+
+
+COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels, "scaling": scaling}
 
 
 def main(argv: list[str] | None = None) -> int:
