@@ -73,13 +73,6 @@ def gpu(name: str) -> GPU:
     return GPUS[name.lower()]
 
 
-def custom(peak_flops: float, memory_bytes: float, nvlink_bw: float, net_bw: float,
-           hbm_bw: float | None = None, **kw) -> GPU:
-    """A GPU described by its numbers; HBM defaults to an H100-like 3.4 bytes per 1000 FLOP."""
-    hbm = hbm_bw if hbm_bw is not None else peak_flops * 3.4e-3
-    return GPU("custom", peak_flops, memory_bytes, hbm, nvlink_bw, net_bw, **kw)
-
-
 def cpu(peak_flops: float, mem_bw: float, link_bw: float, latency: float, cores: int) -> GPU:
     """This CPU as a one-node machine whose 'GPUs' are processes: measured peak matmul FLOP/s
     (the efficiencies are then 1: the peak is already what a GEMM achieves), measured memory
