@@ -73,3 +73,18 @@ def test_experts_are_split_over_ep_and_counted_like_the_model():
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 4), (4, 8), (3, 9)])
 def test_closed_form_peaks_match_the_simulated_schedules(name, virtual, pp, m):
     assert closed_form_peak(name, pp, m, virtual) == _schedule_peak(name, pp, m, virtual)
+
+
+def test_a_moe_model_is_planned_with_experts_over_ep():
+    from minitron.estimate.hardware import GPUS
+    from minitron.estimate.plan import plan
+    from minitron.estimate.time_model import Cluster, Parallel, step_time
+    cfg = ModelConfig(hidden=4096, n_layers=32, n_heads=32, vocab_size=51200, seq_len=4096,
+                      tie_embeddings=False, n_experts=8, topk=2)
+    cluster = Cluster(GPUS["h100"], 8)
+    options = plan(cfg, 16, cluster, 64)
+    fits = [o for o in options if o.time]
+    assert fits and {o.par.ep for o in options} == {1, 2, 4, 8}
+    assert any(o.par.ep > 1 for o in fits)      # 8 experts' weights do not fit without ep or ZeRO
+    ep = step_time(cfg, Parallel(tp=2, sp=True, ep=4, dp=2), cluster, 64).terms["EP comm"]
+    assert ep > 0 and step_time(cfg, Parallel(tp=2, sp=True, dp=8), cluster, 64).terms["EP comm"] == 0
