@@ -167,8 +167,13 @@ def main(argv: list[str] | None = None) -> int:
               "add GPUs (--gpus) or choose a larger GPU (--gpu h200)")
         return 1
     print(f"{'configuration':<52} {'GiB':>7} {'step s':>9} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>12}")
-    for o in fits[:args.top]:
-        print(_row(o))
+    shown = []                       # equal time and memory (ZeRO-1 vs -2 under accumulation): the lower stage
+    for o in fits:
+        if len(shown) == args.top:
+            break
+        if not shown or (o.time.seconds, o.memory) != (shown[-1].time.seconds, shown[-1].memory):
+            shown.append(o)
+            print(_row(o))
     print("why the others lost (the best of each tp x pp x cp x ep split):")
     splits = best_per_split(options)
     shown = [o for o in splits if o.time][1:args.top * 2] + [o for o in splits if not o.time][:args.top]

@@ -116,7 +116,7 @@ def plan(cfg: ModelConfig, gpus: int, cluster: Cluster, global_batch: int, seq: 
         raise ValueError(f"no configuration splits {gpus} GPUs with global batch {global_batch}: "
                          f"choose a batch that is a multiple of the data-parallel size, e.g. "
                          f"--global-batch {gpus}")
-    fits = sorted((o for o in options if o.time), key=lambda o: (o.time.seconds, o.memory))
+    fits = sorted((o for o in options if o.time), key=lambda o: (o.time.seconds, o.memory, o.par.zero))
     if not fits:
         return sorted(options, key=lambda o: o.memory)
     best = fits[0]
