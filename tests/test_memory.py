@@ -159,6 +159,6 @@ def test_cli(capsys):
                           (["--pp", "5"], "12 layers cannot be cut into pp*virtual=5"),
                           (["--zero", "4"], "ZeRO stage must be 0, 1, 2 or 3"),
                           (["--sp"], "sequence parallelism needs tp > 1"),
-                          (["--ep", "2"], "expert parallelism is not modelled")]:
+                          (["--ep", "2"], "ep=2 splits experts, but the model has none")]:
         assert main(argv) == 2
         assert message in capsys.readouterr().err

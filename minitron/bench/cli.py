@@ -30,7 +30,13 @@ def precision(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels, "precision": precision}
+def scaling(argv: list[str]) -> int:
+    from .scaling import run
+    return run(argv)
+
+
+COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels, "precision": precision,
+            "scaling": scaling}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,11 @@ minitron keeps them gathered (the default here, what its model measures).
 
 Not counted: the embedding's and output layer's activations (the logits and the loss),
 temporary buffers, allocator fragmentation and the CUDA context: the total is a floor.
-Experts (ep) are not modelled yet: ep > 1 is refused.
+Experts: each MoE layer's experts are split over ep (and tp) ranks, so a rank holds
+n_experts/ep of them; their gradients and optimizer state are sharded by ZeRO over the ranks
+holding the same experts (dp), the dense weights' over dp x ep (grid.py's dense_dp). A MoE
+layer's MLP hidden activations count topk times (each token visits topk experts; on average a
+rank's experts take b s topk tokens whatever ep is); the router's are not counted.
 """
 from __future__ import annotations
 
@@ -109,11 +113,15 @@ class Estimate:
                 "optimizer state": self.optimizer, "activations": self.activations}
 
 
+@functools.lru_cache(maxsize=64)
 def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     """Every reference tensor's shape, from modules built on the meta device (no memory)."""
     with torch.device("meta"):
         block, norm = Block(cfg), make_norm(cfg)
+        moe_block = Block(cfg, moe=True) if cfg.n_experts else None
     shapes = {f"block.{k}": v.shape for k, v in block.state_dict().items()}
+    if moe_block is not None:
+        shapes |= {f"moe_block.{k}": v.shape for k, v in moe_block.state_dict().items()}
     shapes |= {f"final_norm.{k}": v.shape for k, v in norm.state_dict().items()}
     # nn.Embedding's normal_ init is slow to set up on meta: its two tables, by hand
     shapes["embedding.word.weight"] = torch.Size((cfg.vocab_size, cfg.hidden))
@@ -122,25 +130,48 @@ def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     return shapes
 
 
-def rank_params(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual: int = 1, pp_rank: int = 0) -> int:
-    """Parameters pipeline rank `pp_rank` holds on one tp rank (its stages' shards)."""
-    if cfg.n_experts:
-        raise ValueError("the estimator covers dense models: set n_experts=0")
+def _block_key(cfg: ModelConfig, name: str) -> str:
+    """layers.<i>.rest -> block.rest, or moe_block.rest for a MoE layer."""
+    m = re.match(r"^layers\.(\d+)\.", name)
+    if not m:
+        return name
+    kind = "moe_block." if cfg.n_experts and cfg.is_moe_layer(int(m.group(1))) else "block."
+    return kind + name[m.end():]
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_params_split(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual: int = 1,
+                      pp_rank: int = 0, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters pipeline rank `pp_rank` holds on one tp and ep rank."""
     n_stages = pp * virtual
     stages = [s for s in range(n_stages) if s % pp == pp_rank]     # interleaved placement
-    shapes, total = _shapes(cfg), 0
+    shapes, dense, expert = _shapes(cfg), 0, 0
     for rule in stage_rules(cfg, stages, n_stages):
-        numel = sum(shapes[re.sub(r"^layers\.\d+\.", "block.", p)].numel() for p in rule.parts)
-        total += numel if rule.dim is None else numel // tp
-    return total
+        numel = sum(shapes[_block_key(cfg, p)].numel() for p in rule.parts)
+        numel = numel if rule.dim is None else numel // tp
+        if getattr(rule, "experts", False):
+            expert += numel // ep
+        else:
+            dense += numel
+    return dense, expert
+
+
+def rank_params(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual: int = 1, pp_rank: int = 0,
+                ep: int = 1) -> int:
+    """Parameters pipeline rank `pp_rank` holds on one tp (and ep) rank (its stages' shards)."""
+    return sum(rank_params_split(cfg, tp, pp, virtual, pp_rank, ep))
 
 
 def _validate(cfg: ModelConfig, su: Setup) -> None:
     for name in ("tp", "pp", "virtual", "dp", "cp", "ep", "micro_batch"):
         if type(getattr(su, name)) is not int or getattr(su, name) < 1:
             raise ValueError(f"{name} must be a positive integer, got {getattr(su, name)!r}")
-    if su.ep > 1:
-        raise ValueError("expert parallelism is not modelled by the estimator yet: use ep=1")
+    if su.ep > 1 and not cfg.n_experts:
+        raise ValueError(f"ep={su.ep} splits experts, but the model has none: use ep=1 "
+                         "(or give the model experts)")
+    if cfg.n_experts and cfg.n_experts % su.ep:
+        raise ValueError(f"{cfg.n_experts} experts cannot be split evenly over ep={su.ep}: "
+                         f"choose ep dividing {cfg.n_experts}")
     if su.zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {su.zero!r}")
     if su.dtype not in DTYPES:
@@ -174,7 +205,22 @@ def in_flight(su: Setup) -> float:
     name = su.schedule or ("interleaved" if su.virtual > 1 else "1f1b")
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return _schedule_peak(name, su.pp, microbatches_per_step(su), su.virtual)
+    m, p, v = microbatches_per_step(su), su.pp, su.virtual
+    closed = closed_form_peak(name, p, m, v)
+    return closed if closed is not None else _schedule_peak(name, p, m, v)
+
+
+def closed_form_peak(name: str, pp: int, microbatches: int, virtual: int) -> float | None:
+    """Rank 0's peak in flight, read off the schedules' warm-ups (tests check it against the
+    simulation): 1F1B and ZB-H1 min(m, p); GPipe m; interleaved min(m v, 2(p-1) + (v-1)p + 1)
+    chunk-micro-batches, v of them a full stage. None for the others (simulated)."""
+    if name in ("1f1b", "zb-h1"):
+        return float(min(microbatches, pp))
+    if name == "gpipe":
+        return float(microbatches)
+    if name == "interleaved":
+        return min(microbatches * virtual, 2 * (pp - 1) + (virtual - 1) * pp + 1) / virtual
+    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,18 +237,33 @@ def activation_bytes_per_layer(cfg: ModelConfig, su: Setup) -> int:
     terms = layer_terms(su.micro_batch, seq // su.cp, cfg.hidden, cfg.n_heads, su.tp, **kwargs)
     if "attention scores" in terms:      # s/cp queries against all s keys
         terms["attention scores"] *= su.cp
+    if cfg.n_experts and "MLP hidden (GeLU in, out)" in terms:   # MoE layers: topk visits
+        moe_share = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) / cfg.n_layers
+        terms["MLP hidden (GeLU in, out)"] = round(terms["MLP hidden (GeLU in, out)"]
+                                                   * (1 + moe_share * (cfg.topk - 1)))
     return sum(terms.values())
+
+
+def _state(psi: int, n: int, su: Setup, p_bytes: int, g_bytes: int, o_bytes: int):
+    """Model-state bytes of psi parameters sharded by ZeRO over n ranks."""
+    padded = -(-psi // n) * n                         # ZeRO pads each rank's share equally
+    state = formula_bytes(padded if su.zero else psi, n, su.zero, p_bytes, g_bytes, o_bytes)
+    if su.zero == 2 and su.zero2_sync == "last" and microbatches_per_step(su) > 1:
+        state = dataclasses.replace(state, grads=g_bytes * padded)   # the full buffer accumulates
+    return state
 
 
 def estimate(cfg: ModelConfig, su: Setup = Setup()) -> Estimate:
     """Predicted bytes on pipeline rank 0 (one tp, cp and dp rank of it)."""
     _validate(cfg, su)
     p_bytes, g_bytes, o_bytes, precision = DTYPES[su.dtype]
-    psi = rank_params(cfg, su.tp, su.pp, su.virtual)
-    padded = -(-psi // su.dp) * su.dp                 # ZeRO pads each rank's share equally
-    state = formula_bytes(padded if su.zero else psi, su.dp, su.zero, p_bytes, g_bytes, o_bytes)
-    if su.zero == 2 and su.zero2_sync == "last" and microbatches_per_step(su) > 1:
-        state = dataclasses.replace(state, grads=g_bytes * padded)   # the full buffer accumulates
+    dense, expert = rank_params_split(cfg, su.tp, su.pp, su.virtual, 0, su.ep)
+    state = _state(dense, su.dp * su.ep, su, p_bytes, g_bytes, o_bytes)
+    if expert:                                        # experts: sharded over their own dp group
+        more = _state(expert, su.dp, su, p_bytes, g_bytes, o_bytes)
+        state = dataclasses.replace(state, params=state.params + more.params,
+                                    grads=state.grads + more.grads,
+                                    optimizer=state.optimizer + more.optimizer)
     layers = cfg.n_layers // su.pp                    # every rank holds L/pp (all its chunks)
     per_layer = activation_bytes_per_layer(cfg, su)
     alive = in_flight(su)

@@ -1,0 +1,90 @@
+"""python -m minitron.plan on the presets and the issue's flags; bad flags; the memory estimator's
+experts under ep; the closed-form schedule peaks the planner uses, against the simulation."""
+import dataclasses
+
+import pytest
+from minitron import plan as plan_cli
+from minitron.estimate.memory import Setup, _schedule_peak, closed_form_peak, estimate, rank_params_split
+from minitron.model.config import ModelConfig
+from minitron.model.convert import reference_shapes
+
+
+@pytest.mark.parametrize("argv", [["--model", "gpt2-small", "--gpus", "8", "--gpu", "h200"],
+                                  ["--model", "gpt3-175b", "--gpus", "64", "--gpu", "a100", "--global-batch", "64"],
+                                  ["--model", "1t", "--gpus", "512", "--gpu", "h100", "--gpus-per-node", "8",
+                                   "--global-batch", "512", "--seq", "2048"]])
+def test_presets_print_the_best_and_why_the_others_lost(argv, capsys):
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TFLOP/s" in out and "MFU" in out and "tokens/s" in out
+    assert "why the others lost" in out and "all losers by reason" in out
+
+
+def test_explain_prints_every_term_of_one_configuration(capsys):
+    argv = ["--model", "gpt3-175b", "--gpus", "64", "--global-batch", "64", "--software", "megatron-2022",
+            "--explain", "tp=8,pp=8,mb=1,recompute=full"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for term in ("compute", "memory-bound ops", "TP comm", "bubble", "PP send/recv"):
+        assert term in out
+    assert "tp8 pp8 dp1 mb1 zero1 full 1f1b" in out and "step 18." in out   # Korthikanti: 18.13 s
+
+
+def test_a_described_gpu(capsys):
+    argv = ["--model", "gpt2-medium", "--gpus", "16", "--gpu", "h100", "--peak-tflops", "500",
+            "--memory-gib", "40", "--nvlink-gbs", "200", "--net-gbs", "25"]
+    assert plan_cli.main(argv) == 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpus", "0"], "--gpus 0: must be a positive integer, e.g. --gpus 8"),
+    (["--gpu", "tpu"], "--gpu tpu: choose one of v100, a100, h100, h200, e.g. --gpu a100"),
+    (["--peak-tflops", "-1"], "--peak-tflops -1: must be positive, e.g. --peak-tflops 312"),
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--gpus", "64", "--explain", "tp=8,pp=3"], "--explain: tp*pp*dp*cp*ep = 48 but --gpus is 64"),
+    (["--gpus", "64", "--explain", "tq=8"], "--explain: unknown key 'tq'"),
+    (["--gpus", "40", "--explain", "tp=8,pp=5"], "--explain tp=8,pp=5: 96 layers cannot be cut"),
+])
+def test_bad_flags_exit_2_naming_the_flag(argv, says, capsys):
+    assert plan_cli.main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_experts_are_split_over_ep_and_counted_like_the_model():
+    cfg = ModelConfig(hidden=64, n_layers=4, n_heads=4, vocab_size=128, seq_len=32, n_experts=4,
+                      topk=2, moe_every=2)
+    total = sum(shape.numel() for shape in reference_shapes(cfg).values())   # the reference GPT's
+    dense, expert = rank_params_split(cfg)
+    assert dense + expert == total
+    dense2, expert2 = rank_params_split(cfg, ep=2)
+    assert (dense2, expert2) == (dense, expert // 2)
+    one, two = estimate(cfg, Setup(dp=2, zero=1, dtype="float32")), estimate(cfg, Setup(ep=2, zero=1, dtype="float32"))
+    # ZeRO-1, float32 Adam (8 bytes per parameter): dense state over dp x ep = 2 ranks in both;
+    # the experts' over dp: halved by ZeRO (dp=2) or held at half by each ep rank (ep=2)
+    half = -(-dense // 2)
+    assert one.optimizer == 8 * (half + -(-expert // 2)) and two.optimizer == 8 * (half + expert // 2)
+    assert two.params == 4 * (dense + expert // 2)
+    dense_cfg = dataclasses.replace(cfg, n_experts=0)
+    assert estimate(cfg).activations > estimate(dense_cfg).activations   # top-2 MLP activations
+
+
+@pytest.mark.parametrize("name, virtual", [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2),
+                                           ("interleaved", 3)])
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 4), (4, 8), (3, 9)])
+def test_closed_form_peaks_match_the_simulated_schedules(name, virtual, pp, m):
+    assert closed_form_peak(name, pp, m, virtual) == _schedule_peak(name, pp, m, virtual)
+
+
+def test_a_moe_model_is_planned_with_experts_over_ep():
+    from minitron.estimate.hardware import GPUS
+    from minitron.estimate.plan import plan
+    from minitron.estimate.time_model import Cluster, Parallel, step_time
+    cfg = ModelConfig(hidden=4096, n_layers=32, n_heads=32, vocab_size=51200, seq_len=4096,
+                      tie_embeddings=False, n_experts=8, topk=2)
+    cluster = Cluster(GPUS["h100"], 8)
+    options = plan(cfg, 16, cluster, 64)
+    fits = [o for o in options if o.time]
+    assert fits and {o.par.ep for o in options} == {1, 2, 4, 8}
+    assert any(o.par.ep > 1 for o in fits)      # 8 experts' weights do not fit without ep or ZeRO
+    ep = step_time(cfg, Parallel(tp=2, sp=True, ep=4, dp=2), cluster, 64).terms["EP comm"]
+    assert ep > 0 and step_time(cfg, Parallel(tp=2, sp=True, dp=8), cluster, 64).terms["EP comm"] == 0
