@@ -18,9 +18,10 @@ import torch.distributed as dist
 from . import comm
 
 
-def pick_backend(world_size: int) -> str:
+def pick_backend(ranks_here: int) -> str:
     """MINITRON_BACKEND if set (the lessons set gloo: their numbers are CPU numbers), else
-    nccl when there is one GPU per rank, else gloo."""
+    nccl when this machine has one GPU for each of its `ranks_here` ranks, else gloo. The one
+    decision, for forked ranks (ranks_here = world size) and torchrun's (LOCAL_WORLD_SIZE)."""
     chosen = os.environ.get("MINITRON_BACKEND")
     if chosen:
         if chosen not in ("gloo", "nccl"):
@@ -28,9 +29,27 @@ def pick_backend(world_size: int) -> str:
         return chosen
     # device_count() asks NVML; torch.cuda.is_available() would initialise the CUDA driver in
     # this process, and a rank forked after that cannot use CUDA ("poison fork").
-    if torch.cuda.device_count() >= world_size:
+    if torch.cuda.device_count() >= ranks_here:
         return "nccl"
     return "gloo"
+
+
+def ranks_on_this_machine(world_size: int) -> int:
+    """Under torchrun, the ranks of this node (LOCAL_WORLD_SIZE); forked ranks all share it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """One process per GPU under nccl: local rank k owns cuda:k; gloo ranks compute on the CPU."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def group_options(backend: str, local_rank: int) -> dict:
+    """init_process_group's extra arguments. Under nccl, device_id makes every communicator
+    now (ncclCommInit, then ncclCommSplit for each new_group) instead of at its first use: a
+    first batch_isend_irecv in a group must otherwise involve all of its ranks, which a
+    pipeline stage's send to its neighbour does not. gloo needs nothing."""
+    return {"device_id": rank_device(backend, local_rank)} if backend == "nccl" else {}
 
 
 def check_can_fork(backend: str) -> None:
@@ -42,10 +61,18 @@ def check_can_fork(backend: str) -> None:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: float) -> None:
+    options = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this machine has "
+                               f"{torch.cuda.device_count()}; start at most that many ranks per "
+                               "node (torchrun --nproc-per-node), or use MINITRON_BACKEND=gloo")
+        torch.cuda.set_device(rank_device(backend, local_rank))
+        options = group_options(backend, local_rank)
     comm.TIMEOUT = datetime.timedelta(seconds=timeout)  # every later group gets it too
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT,
+                            **options)
 
 
 def free_port() -> int:
@@ -76,7 +103,7 @@ def launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout):
         raise ValueError(f"torchrun started {world} processes but launch() asked for "
                          f"world_size={world_size}: make them agree (torchrun --nproc-per-node ...)")
     if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or pick_backend(ranks_on_this_machine(world))
         init_process_group(backend, int(os.environ["RANK"]), world, timeout)
         # A group still alive when the interpreter exits can abort the process ("terminate
         # called without an active exception", about one run in three with gloo): tear it down.
