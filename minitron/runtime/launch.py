@@ -16,7 +16,8 @@ a notebook's graded output, and a failure shows everything. MINITRON_SHOW_STDERR
 always (NCCL_DEBUG=INFO, say).
 
 Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) the same call runs fn on this
-process only and returns every rank's result, gathered.
+process only and returns every rank's result, gathered; the script prints what it prints
+forked, once (rank 0 echoes every rank's prints; the other ranks' stdout goes to /dev/null).
 
 Failures never hang:
   * a rank that raises makes `launch` raise `RankError` with that rank's traceback;
@@ -71,7 +72,7 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if under_torchrun():
-        return launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout)
+        return launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout, echo)
     backend = backend or pick_backend(world_size)
     check_can_fork(backend)
     _import_before_forking()

@@ -2,20 +2,26 @@
 
 launch.py forks ranks on one machine and calls init_process_group in each; under torchrun
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the processes already exist, and
-launch_under_torchrun runs the function on this one and gathers every rank's result.
+launch_under_torchrun runs the function on this one, gathers every rank's result and prints as a
+forked launch does: once.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import io
 import os
+import pickle
 import socket
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .rank_output import dumps_for_parent
 
 
 def pick_backend(ranks_here: int) -> str:
@@ -97,7 +103,11 @@ def end_of_run() -> None:
         dist.destroy_process_group()
 
 
-def launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout):
+def launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout, echo=True):
+    """fn on this process; every rank's result, gathered, tensors moved to the CPU. The output
+    is a forked launch's: each rank's prints during fn are echoed once, by rank 0, in rank order
+    ("[rank r] ..."), and what the script prints after launch (its results) comes from rank 0
+    alone: the other ranks' sys.stdout goes to /dev/null (their stderr stays)."""
     world = int(os.environ["WORLD_SIZE"])
     if world != world_size:
         raise ValueError(f"torchrun started {world} processes but launch() asked for "
@@ -108,10 +118,23 @@ def launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout):
         # A group still alive when the interpreter exits can abort the process ("terminate
         # called without an active exception", about one run in three with gloo): tear it down.
         atexit.register(_destroy_at_exit)
-    result = fn(*args, **kwargs)
-    results: list[Any] = [None] * world
-    dist.all_gather_object(results, result)
-    return results
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = fn(*args, **kwargs)
+    replies: list[Any] = [None] * world
+    dist.all_gather_object(replies, dumps_for_parent((result, printed.getvalue())))
+    replies = [pickle.loads(r) for r in replies]
+    if dist.get_rank() == 0:
+        for rank, (_, text) in enumerate(replies):
+            for line in text.splitlines() if echo else ():
+                print(f"[rank {rank}] {line}")
+    elif sys.stdout is not _QUIET[0]:
+        sys.stdout.flush()
+        _QUIET[0] = sys.stdout = open(os.devnull, "w")
+    return [r for r, _ in replies]
+
+
+_QUIET = [None]   # the /dev/null stdout of a rank other than 0, once set
 
 
 def _destroy_at_exit() -> None:
