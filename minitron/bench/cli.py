@@ -25,7 +25,12 @@ def kernels(argv: list[str]) -> int:
     return kernel_bench.run(argv) or 0
 
 
-COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels}
+def gpu(argv: list[str]) -> int:
+    from .gpu import main as gpu_check
+    return gpu_check(argv)
+
+
+COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels, "gpu": gpu}
 
 
 def main(argv: list[str] | None = None) -> int:
