@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 import torch
@@ -182,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if uses_engine(pcfg, args.zero, dtype):
         scale = f" loss_scale={FP16_LOSS_SCALE:g}" if dtype == torch.float16 else ""
         pipeline += f"\ndata parallel: zero={args.zero or 0} bucket_numel={BUCKET_NUMEL}{scale}"
-    print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
-          f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
+    if os.environ.get("RANK", "0") == "0":       # under torchrun: once, as the report is
+        print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
+              f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
                     batch=batch, plant=args.plant, schedule=args.schedule,
                     microbatches=args.microbatches, zero=args.zero)
