@@ -97,3 +97,20 @@ def test_the_summary_table_takes_each_parts_verdict():
                                                                           "NVIDIA-A100-SXM4-80GB")])
 def test_files_are_named_by_gpu(name, file):
     assert gpu.tag(name) == file
+
+
+def test_each_part_runs_under_its_share_and_the_budget_stops_the_rest(monkeypatch, tmp_path, capsys):
+    """The check's own loop, with stand-in parts: one passes, one outlives its share (killed,
+    'timed out'), and the last finds the budget spent; the summary CSV and table say so."""
+    parts = [gpu.Part("verify", "passes", ["-c", "print('PASS max_rel_err=1.0e-07')"], 5),
+             gpu.Part("slow", "sleeps past its 3 s", ["-c", "import time; time.sleep(30)"], 3),
+             gpu.Part("late", "never starts", ["-c", "print('ran')"], 5)]
+    monkeypatch.setattr(gpu, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(gpu, "plan", lambda name, date: parts)
+    monkeypatch.setattr(gpu, "RESULTS", str(tmp_path))
+    assert gpu.run_check(budget_s=11.5, date="2026-01-01") == 1
+    rows = gpu_report._read(str(tmp_path / "gpu_check_NVIDIA-H200_2026-01-01.csv"))
+    assert [(r["part"], r["status"]) for r in rows] == [
+        ("verify", "ok"), ("slow", "timed out after 3 s"), ("late", "not run: budget spent")]
+    assert rows[0]["headline"] == "PASS max_rel_err=1.0e-07"
+    assert capsys.readouterr().out.rstrip().endswith("late   | not run: budget spent |       0 |")
