@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.minitron-installed
 
-.PHONY: setup lab test browser-test grade verify-all verify-matrix bench clean-venv
+.PHONY: setup lab test browser-test grade verify-all verify-matrix bench gpu-check clean-venv
 
 setup: $(STAMP)
 
@@ -91,6 +91,11 @@ bench: setup
 	$(BIN)/python -m minitron.bench overhead
 	$(BIN)/python -m minitron.bench overlap
 	$(BIN)/python -m minitron.bench kernels
+
+# Everything that needs a GPU, at most 8 minutes on one H200; CSVs in bench/results/ named by
+# GPU and date, a summary table at the end (`python -m minitron.bench gpu --dry-run`: what it runs).
+gpu-check: setup
+	$(BIN)/python -m minitron.bench gpu
 
 clean-venv:
 	rm -rf $(VENV)

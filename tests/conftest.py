@@ -6,7 +6,8 @@ import torch
 
 import minitron
 # MINITRON_STRICT=1 (.ci/run): a skip fails unless this machine cannot run the test.
-from strict_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+from strict_skips import (pytest_collection_modifyitems, pytest_make_collect_report,  # noqa: F401
+                          pytest_runtest_makereport)
 
 
 def _import_triton_for_this_machine():

@@ -38,9 +38,12 @@ def _pipelining_lacks(schedule: str) -> bool:
     return not hasattr(pipelining, schedule)
 
 
+# A GPU-only test says so in its skip reason; it is legitimate only where CUDA is absent.
+NEEDS_GPU = r"needs a (CUDA )?GPU"
+
 # A skip reason (a regular expression, searched) -> whether it is legitimately impossible here.
 ALLOWED = {
-    r"needs a (CUDA )?GPU": lambda: not _gpu(),
+    NEEDS_GPU: lambda: not _gpu(),
     r"the GPU run is the real benchmark": _gpu,              # the CPU smoke run is the GPU's twin
     r"needs TRITON_INTERPRET=1": _gpu,                        # with a GPU the kernels are compiled
     r"run in a process that sees no GPU": _gpu,               # test_model_kernels.py does that
@@ -116,3 +119,11 @@ def pytest_make_collect_report(collector):
                                           path=collector.path)
             report.outcome, report.longrepr, report.result = "passed", None, [item]
     return report
+
+
+def pytest_collection_modifyitems(items):
+    """A test that skips itself without a GPU (a skipif whose reason matches NEEDS_GPU) carries
+    the `gpu` mark: `pytest -m gpu` (make gpu-check) runs exactly those."""
+    for item in items:
+        if any(re.search(NEEDS_GPU, str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)

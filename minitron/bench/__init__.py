@@ -1,4 +1,4 @@
-"""python -m minitron.bench overhead | overlap | kernels | precision | scaling: measured side by side.
+"""python -m minitron.bench overhead | overlap | kernels | precision | scaling | gpu: measured side by side.
 
 overhead (overhead.py): what the parallel machinery costs when there is nothing to split.
 overlap: at dp=2 on the CPU (gloo), the share of the gradient all-reduce time hidden behind
@@ -10,4 +10,5 @@ kernels: the fused Triton kernels' benchmark (kernels.py), when it is installed.
 precision: one short training run in float32, bf16 and FP8, loss curves and gaps (precision.py).
 scaling: weak and strong DP and TP scaling on 1-8 CPU ranks, scaling efficiency and MFU, beside
 the planner's prediction for this CPU (scaling.py; results in bench/results/scaling.csv).
+gpu: everything that needs a GPU in one command, 8 minutes on one H200 (gpu.py; --dry-run).
 """

@@ -35,8 +35,13 @@ def scaling(argv: list[str]) -> int:
     return run(argv)
 
 
+def gpu(argv: list[str]) -> int:
+    from .gpu import main as gpu_check
+    return gpu_check(argv)
+
+
 COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels, "precision": precision,
-            "scaling": scaling}
+            "scaling": scaling, "gpu": gpu}
 
 
 def main(argv: list[str] | None = None) -> int:

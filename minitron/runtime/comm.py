@@ -126,22 +126,35 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _reduce_op(op: str):
+def reduce_plan(op: str, backend: str) -> tuple[object, bool]:
+    """(the ReduceOp to run, whether to divide by the group size after): the one decision for
+    "avg". NCCL averages itself (floating point: each input scaled by 1/n before the sum, so a
+    16-bit sum of many ranks cannot overflow on the way); gloo has no AVG: sum, then divide."""
     if op not in (*_OPS, "avg"):
         raise ValueError(f"unknown reduction {op!r}: use one of sum, max, min, avg")
-    return _OPS.get(op, dist.ReduceOp.SUM)  # gloo has no AVG: sum, then divide
+    if op != "avg":
+        return _OPS[op], False
+    if backend == "nccl":
+        return dist.ReduceOp.AVG, False
+    return dist.ReduceOp.SUM, True
+
+
+def _reduce_op(op: str, group: Group) -> tuple[object, bool]:
+    """reduce_plan for `group`'s backend (a group of one never reaches a backend)."""
+    backend = dist.get_backend(group.pg) if group.size > 1 and dist.is_initialized() else "gloo"
+    return reduce_plan(op, backend)
 
 
 def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     """In place: every rank ends with the reduction of all ranks' tensors."""
-    reduce_op = _reduce_op(op)  # a bad op is the caller's ValueError, not a comm failure
+    reduce_op, divide = _reduce_op(op, group)  # a bad op: the caller's ValueError, not comm's
     n = group.size
     if n == 1:
         return t
     _count(group, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
     _call("all_reduce", group,
           lambda: _in_place(t, lambda b: dist.all_reduce(b, op=reduce_op, group=group.pg)))
-    if op == "avg":
+    if divide:
         t.div_(n)
     return t
 
@@ -160,7 +173,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum") -> torch.Tensor:
     """Reduce across ranks, then keep this rank's 1/n slice along `dim`."""
-    reduce_op = _reduce_op(op)
+    reduce_op, divide = _reduce_op(op, group)
     n = group.size
     if n == 1:
         return t
@@ -172,7 +185,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0, op: str = "sum")
     _count(group, "reduce_scatter", _nbytes(x), (n - 1) / n * _nbytes(x))
     _call("reduce_scatter", group,
           lambda: _reduce_scatter_flat(out, x, op=reduce_op, group=group.pg))
-    if op == "avg":
+    if divide:
         out.div_(n)
     return out.movedim(0, dim)
 

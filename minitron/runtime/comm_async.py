@@ -77,7 +77,7 @@ def _start(op: str, group: Group, fn: Callable) -> object:
 
 def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     """Start an in-place all-reduce of `t`; `wait()` returns `t` holding the reduction."""
-    reduce_op = _reduce_op(op)
+    reduce_op, divide = _reduce_op(op, group)
     _contiguous(t, "all_reduce")
     n = group.size
     if n == 1:
@@ -85,12 +85,12 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     _count(group, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
     work = _start("all_reduce", group,
                   lambda: dist.all_reduce(t, op=reduce_op, group=group.pg, async_op=True))
-    return Pending("all_reduce", group, work, t, (lambda: t.div_(n)) if op == "avg" else None)
+    return Pending("all_reduce", group, work, t, (lambda: t.div_(n)) if divide else None)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     """Start reducing the flat `t` across ranks; `wait()` returns this rank's 1/n of it."""
-    reduce_op = _reduce_op(op)
+    reduce_op, divide = _reduce_op(op, group)
     _contiguous(t, "reduce_scatter")
     n = group.size
     if n == 1:
@@ -102,7 +102,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     _count(group, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
     work = _start("reduce_scatter", group,
                   lambda: _reduce_scatter_flat(out, t, op=reduce_op, group=group.pg, async_op=True))
-    return Pending("reduce_scatter", group, work, out, (lambda: out.div_(n)) if op == "avg" else None)
+    return Pending("reduce_scatter", group, work, out, (lambda: out.div_(n)) if divide else None)
 
 
 def all_gather(t: torch.Tensor, group: Group, out: torch.Tensor | None = None) -> Pending:

@@ -16,7 +16,8 @@ a notebook's graded output, and a failure shows everything. MINITRON_SHOW_STDERR
 always (NCCL_DEBUG=INFO, say).
 
 Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) the same call runs fn on this
-process only and returns every rank's result, gathered.
+process only and returns every rank's result, gathered; the script prints what it prints
+forked, once (rank 0 echoes every rank's prints; the other ranks' stdout goes to /dev/null).
 
 Failures never hang:
   * a rank that raises makes `launch` raise `RankError` with that rank's traceback;
@@ -71,7 +72,7 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if under_torchrun():
-        return launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout)
+        return launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout, echo)
     backend = backend or pick_backend(world_size)
     check_can_fork(backend)
     _import_before_forking()
@@ -127,12 +128,15 @@ class _Rank:
 def _enter_rank(rank: int, world_size: int, port: int, status, progress, parent_pid: int):
     """What every forked rank does first; returns the function that publishes what it is doing."""
     # A forked child whose parent already used torch's thread pool deadlocks at its first
-    # matmul unless it resets the pool first; one thread per rank also suits small CPUs.
+    # matmul unless it resets the pool to one thread (with 2 threads, or untouched, it hangs:
+    # OpenMP is not fork-safe). GPU ranks too: their CPU work (batches, init) is small. Under
+    # torchrun nothing is forked and torchrun's OMP_NUM_THREADS decides.
     torch.set_num_threads(1)
     global _in_worker
     _in_worker = True
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     # Die with the parent, even when it is SIGKILLed (a crashed notebook kernel, a killed
     # pytest): each rank inherited a copy of its own pipe's parent end, so it would never see
     # that pipe close and would wait on it forever. Linux only (prctl PR_SET_PDEATHSIG = 1).

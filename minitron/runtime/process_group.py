@@ -2,25 +2,32 @@
 
 launch.py forks ranks on one machine and calls init_process_group in each; under torchrun
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the processes already exist, and
-launch_under_torchrun runs the function on this one and gathers every rank's result.
+launch_under_torchrun runs the function on this one, gathers every rank's result and prints as a
+forked launch does: once.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import io
 import os
+import pickle
 import socket
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .rank_output import dumps_for_parent
 
 
-def pick_backend(world_size: int) -> str:
+def pick_backend(ranks_here: int) -> str:
     """MINITRON_BACKEND if set (the lessons set gloo: their numbers are CPU numbers), else
-    nccl when there is one GPU per rank, else gloo."""
+    nccl when this machine has one GPU for each of its `ranks_here` ranks, else gloo. The one
+    decision, for forked ranks (ranks_here = world size) and torchrun's (LOCAL_WORLD_SIZE)."""
     chosen = os.environ.get("MINITRON_BACKEND")
     if chosen:
         if chosen not in ("gloo", "nccl"):
@@ -28,9 +35,27 @@ def pick_backend(world_size: int) -> str:
         return chosen
     # device_count() asks NVML; torch.cuda.is_available() would initialise the CUDA driver in
     # this process, and a rank forked after that cannot use CUDA ("poison fork").
-    if torch.cuda.device_count() >= world_size:
+    if torch.cuda.device_count() >= ranks_here:
         return "nccl"
     return "gloo"
+
+
+def ranks_on_this_machine(world_size: int) -> int:
+    """Under torchrun, the ranks of this node (LOCAL_WORLD_SIZE); forked ranks all share it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """One process per GPU under nccl: local rank k owns cuda:k; gloo ranks compute on the CPU."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def group_options(backend: str, local_rank: int) -> dict:
+    """init_process_group's extra arguments. Under nccl, device_id makes every communicator
+    now (ncclCommInit, then ncclCommSplit for each new_group) instead of at its first use: a
+    first batch_isend_irecv in a group must otherwise involve all of its ranks, which a
+    pipeline stage's send to its neighbour does not. gloo needs nothing."""
+    return {"device_id": rank_device(backend, local_rank)} if backend == "nccl" else {}
 
 
 def check_can_fork(backend: str) -> None:
@@ -42,10 +67,18 @@ def check_can_fork(backend: str) -> None:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: float) -> None:
+    options = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} has no GPU of its own: this machine has "
+                               f"{torch.cuda.device_count()}; start at most that many ranks per "
+                               "node (torchrun --nproc-per-node), or use MINITRON_BACKEND=gloo")
+        torch.cuda.set_device(rank_device(backend, local_rank))
+        options = group_options(backend, local_rank)
     comm.TIMEOUT = datetime.timedelta(seconds=timeout)  # every later group gets it too
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT,
+                            **options)
 
 
 def free_port() -> int:
@@ -70,21 +103,38 @@ def end_of_run() -> None:
         dist.destroy_process_group()
 
 
-def launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout):
+def launch_under_torchrun(fn, args, kwargs, world_size, backend, timeout, echo=True):
+    """fn on this process; every rank's result, gathered, tensors moved to the CPU. The output
+    is a forked launch's: each rank's prints during fn are echoed once, by rank 0, in rank order
+    ("[rank r] ..."), and what the script prints after launch (its results) comes from rank 0
+    alone: the other ranks' sys.stdout goes to /dev/null (their stderr stays)."""
     world = int(os.environ["WORLD_SIZE"])
     if world != world_size:
         raise ValueError(f"torchrun started {world} processes but launch() asked for "
                          f"world_size={world_size}: make them agree (torchrun --nproc-per-node ...)")
     if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or pick_backend(ranks_on_this_machine(world))
         init_process_group(backend, int(os.environ["RANK"]), world, timeout)
         # A group still alive when the interpreter exits can abort the process ("terminate
         # called without an active exception", about one run in three with gloo): tear it down.
         atexit.register(_destroy_at_exit)
-    result = fn(*args, **kwargs)
-    results: list[Any] = [None] * world
-    dist.all_gather_object(results, result)
-    return results
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = fn(*args, **kwargs)
+    replies: list[Any] = [None] * world
+    dist.all_gather_object(replies, dumps_for_parent((result, printed.getvalue())))
+    replies = [pickle.loads(r) for r in replies]
+    if dist.get_rank() == 0:
+        for rank, (_, text) in enumerate(replies):
+            for line in text.splitlines() if echo else ():
+                print(f"[rank {rank}] {line}")
+    elif sys.stdout is not _QUIET[0]:
+        sys.stdout.flush()
+        _QUIET[0] = sys.stdout = open(os.devnull, "w")
+    return [r for r, _ in replies]
+
+
+_QUIET = [None]   # the /dev/null stdout of a rank other than 0, once set
 
 
 def _destroy_at_exit() -> None:

@@ -231,7 +231,9 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
                         schedule=args.lr_schedule))
     metrics, log = [], \
         open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w") if lead else None
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else (flops.detect_peak() or (None,))[0]
+    on_gpu = run.grid.device.type == "cuda"     # gloo ranks on a GPU machine compute on CPUs
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else \
+        ((flops.detect_peak() if on_gpu else None) or (None,))[0]
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         run.set_lr(lr_at(step))

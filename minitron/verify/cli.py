@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 import torch
@@ -233,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     if fp8 is not None:
         pipeline += (f"\nfp8: {fp8} in the blocks' GEMMs (E4M3 forward, E5M2 gradients), bf16 "
                      f"elsewhere; against the float32 reference")
-    print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
-          f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
+    if os.environ.get("RANK", "0") == "0":       # under torchrun: once, as the report is
+        print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
+              f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
                     batch=batch, plant=args.plant, schedule=args.schedule,
                     microbatches=args.microbatches, zero=args.zero,
