@@ -1,6 +1,10 @@
 """DualPipeV: the checker accepts it, its order is torch's, the simulator gives DeepSeek-V3's
 Table 2 bubble and memory, overlapping its (F, BW) pairs hides the all-to-all by exactly what
-the pairs overlap, and a broken DualPipeV is rejected with the rank named."""
+the pairs overlap, and a broken DualPipeV is rejected with the rank named. The executor runs it
+and matches one device (the verifier's checks: logits, loss, dL/dX, every gradient and updated
+weight), a planted executor bug fails, the measured activations alive are the checker's
+PP+1 chunks, and torch.distributed.pipelining's ScheduleDualPipeV, on gloo, gives the same
+loss, logits and gradients running the same order (tests/test_pipeline_peer.py's peer)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +12,12 @@ from fractions import Fraction
 
 import pytest
 
+from minitron.grid import ParallelConfig, build_grid
+from minitron.model import ModelConfig
 from minitron.pipeline import Costs, ScheduleError, check, make_schedule, simulate
+from minitron.pipeline.executor import run_schedule
+from minitron.pipeline.partition import PipelineGPT
+from minitron.verify import Report, make_batch, run_rank
 from minitron.pipeline.actions import BW, B, F, RECV_B
 from minitron.pipeline.simulate import idle_per_rank
 
@@ -122,3 +131,73 @@ def test_broken_overlapped_pairs_are_rejected():
     wrong = dataclasses.replace(s, overlapped={**s.overlapped, 1: ((b, f),)})
     with pytest.raises(ScheduleError, match="must be an F and a backward of another stage"):
         check(wrong)
+
+
+# ---- the executor, against one device and against torch's DualPipeV --------------------------
+BASE = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=4, n_heads=4, dropout=0.1)
+
+
+def _verify(run_ranks, plant=None, steps=2, **opts):
+    sched = make_schedule("dualpipev", 2, 4)
+    pcfg = ParallelConfig(pp=2, virtual_pp=2)
+    rows = run_ranks(run_rank, pcfg, ModelConfig(**{**BASE, **opts}), steps, batch=4,
+                     plant=plant, schedule=sched, world_size=2)[0]
+    return Report(rows)
+
+
+def test_executor_matches_one_device(run_ranks):
+    """Dropout on (the masks are keyed by global row, whatever the order) and tied embeddings,
+    whose two copies sit on rank 0, the V's two ends."""
+    report = _verify(run_ranks, tie_embeddings=True)
+    assert report.passed, report.table()
+    assert {r.quantity for r in report.rows} >= {"logits", "loss", "dL/dX", "replicas grads"}
+
+
+def test_a_planted_executor_bug_fails(run_ranks):
+    report = _verify(run_ranks, plant="pp-wrong-stage", steps=1)
+    by_name = {r.quantity: r for r in report.rows}
+    assert not by_name["dL/dX"].ok and by_name["loss"].ok, report.table()
+
+
+def _measured_peak(pp, m):
+    sched = make_schedule("dualpipev", pp, m)
+    cfg = ModelConfig(**{**BASE, "n_layers": 2 * pp})
+    model = PipelineGPT(cfg, build_grid(ParallelConfig(pp=pp, virtual_pp=2)), sched.stage_rank)
+    tokens, targets = make_batch(0, 0, m, cfg.seq_len, cfg.vocab_size)
+    model.rng.reset(0)
+    result = run_schedule(sched, model, tokens, targets, keep_outputs=False, track_memory=True)
+    return result.peak_alive, [(e.kind, e.microbatch, e.stage) for e in result.events]
+
+
+def test_measured_activations_are_pp_plus_one_chunks(run_ranks):
+    sched = make_schedule("dualpipev", 2, 6)
+    for rank, (alive, ran) in enumerate(run_ranks(_measured_peak, 2, 6, world_size=2)):
+        assert alive == 2 * 2 + 1 == 2 * check(sched).peak_activations[rank]
+        assert ran == [(a.kind, a.microbatch, a.stage) for a in sched.compute(rank)]
+
+
+def test_torch_dualpipev_agrees(run_ranks):
+    """torch's ScheduleDualPipeV on the reference's own modules: the same loss, logits and
+    gradients as minitron's executor and one device, and torch runs minitron's compute order
+    (its OVERLAP_F_B pairs one sub-action after the other, as minitron's CPU executor does)."""
+    peer = pytest.importorskip("test_pipeline_peer")
+    peer.torch_has("dualpipev")
+    cfg = peer.CFG
+    results = run_ranks(peer._peer_rank, "dualpipev", 2, 4, cfg, world_size=2)
+    theirs, ours, ref = peer._merge(results, "torch"), peer._merge(results, "minitron"), \
+        peer._reference(cfg)
+    tol = peer.float32_tolerance(cfg, peer.BATCH, cfg.seq_len)
+    assert peer.disagreements(theirs, ref, tol) == []
+    assert peer.disagreements(ours, theirs, tol) == []
+    for rank, r in enumerate(results):
+        assert r["torch"][3] == r["minitron"][3] == r["minitron"][4], rank
+
+
+def test_a_planted_bug_is_caught_by_torchs_dualpipev(run_ranks):
+    peer = pytest.importorskip("test_pipeline_peer")
+    peer.torch_has("dualpipev")
+    cfg = peer.CFG
+    results = run_ranks(peer._peer_rank, "dualpipev", 2, 4, cfg, "pp-wrong-stage", world_size=2)
+    bad = peer.disagreements(peer._merge(results, "minitron"), peer._merge(results, "torch"),
+                             peer.float32_tolerance(cfg, peer.BATCH, cfg.seq_len))
+    assert any(k.startswith("grad embedding.") for k in bad), bad

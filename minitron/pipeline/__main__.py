@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--virtual", type=int, default=None,
-                   help="model chunks per rank (default: the schedule's own, 2 for interleaved and zb-v)")
+                   help="model chunks per rank (default: the schedule's own, 2 for interleaved, zb-v, dualpipev)")
     p.add_argument("--costs", default="1,1,1", help="F,B,W time of one stage's micro-batch (default 1,1,1)")
     p.add_argument("--latency", default="0", help="time of one message in flight (default 0)")
     p.add_argument("--measure", action="store_true", help="also run it on real processes and time it")
