@@ -201,3 +201,16 @@ def test_a_planted_bug_is_caught_by_torchs_dualpipev(run_ranks):
     bad = peer.disagreements(peer._merge(results, "minitron"), peer._merge(results, "torch"),
                              peer.float32_tolerance(cfg, peer.BATCH, cfg.seq_len))
     assert any(k.startswith("grad embedding.") for k in bad), bad
+
+
+def test_the_command_line_simulates_the_overlap(capsys):
+    from minitron.pipeline.__main__ import main
+    s, costs = make_schedule("dualpipev", 4, 16), Costs(comm=1)
+    for flags, overlap in (([], False), (["--overlap"], True)):
+        assert main(["--schedule", "dualpipev", "--pp", "4", "--microbatches", "16",
+                     "--comm", "1", *flags]) == 0
+        out = capsys.readouterr().out
+        assert f"simulated makespan: {simulate(s, costs, overlap=overlap).makespan}" in out, out
+        assert ("overlapped pairs" in out) == overlap
+    assert main(["--comm", "fast"]) == 2
+    assert "--comm 'fast'" in capsys.readouterr().err
