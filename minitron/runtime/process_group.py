@@ -45,6 +45,14 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     comm.TIMEOUT = datetime.timedelta(seconds=timeout)  # every later group gets it too
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if under_torchrun() and attempt not in ("", "0"):
+        # torchrun restarted the group: its store still holds the dead attempt's addresses
+        # under the same keys, and gloo would connect to those; this attempt's keys are its own
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=comm.TIMEOUT))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}/", store),
+                                rank=rank, world_size=world_size, timeout=comm.TIMEOUT)
+        return
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT)
 
 
