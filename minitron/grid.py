@@ -43,11 +43,12 @@ from itertools import product
 import torch
 import torch.distributed as dist
 
-from .runtime import comm
+from .runtime import comm, placement
 from .runtime.comm import Group
+from .subgroups import SUBGROUP_DIMS, digit_sizes, expand, same_group, settle_splits, split_size
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest first
-CP_VARIANTS = ("ring", "allgather", "ulysses")
+CP_VARIANTS = ("ring", "allgather", "ulysses", "hierarchical")
 
 # group name -> the dimensions that vary inside it
 GROUP_DIMS = {
@@ -63,7 +64,10 @@ def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-@dataclasses.dataclass(frozen=True)
+_QUIET_AT_DEFAULT = ("dp_shard", "cp_a2a", "tp_comm_overlap")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class ParallelConfig:
     """How many ways each dimension is split. SP rides on TP and adds no ranks."""
     tp: int = 1
@@ -75,12 +79,20 @@ class ParallelConfig:
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved schedules)
     # How attention reaches the other cp ranks' keys and values (minitron/context_parallel):
     # "ring" (K/V passed around, overlapped), "allgather" (gathered once), "ulysses" (all-to-all
-    # to a head split; heads/tp must divide by cp)
+    # to a head split; heads/tp must divide by cp), "hierarchical" (Ulysses inside groups of
+    # cp_a2a ranks, a ring across them: subgroups.py)
     cp_variant: str = "ring"
+    dp_shard: int | None = None   # HSDP: ZeRO shards over dp_shard ranks, dp/dp_shard replicas (default dp)
+    cp_a2a: int | None = None     # hierarchical cp: the all-to-all group's size, dividing cp
+    # devices per node: which groups leave one (minitron/runtime/placement.py); not part of the split
+    gpus_per_node: int = dataclasses.field(default=8, repr=False, compare=False)
+    # Hide SP's all-gather / reduce-scatter behind the column / row GEMMs, chunk by chunk
+    # around a ring (minitron/tensor_parallel/overlap.py); the same bytes, the same numbers
+    tp_comm_overlap: bool = False
 
     def __post_init__(self):
         from .model.config import ConfigError   # here: minitron.model imports this module
-        for name in (*DIMS, "virtual_pp"):
+        for name in (*DIMS, "virtual_pp", "gpus_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError("{%s} must be a positive integer" % name, {name: value}, [{name: 1}],
@@ -88,15 +100,33 @@ class ParallelConfig:
         if self.cp_variant not in CP_VARIANTS:
             raise ConfigError("{cp_variant}: choose one of %s" % (CP_VARIANTS,),
                               {"cp_variant": self.cp_variant}, [{"cp_variant": "ring"}])
+        settle_splits(self)                            # dp_shard, cp_a2a (subgroups.py)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("{sequence_parallel} shards the norm/dropout regions across the "
                               "tensor-parallel group, so it needs tp > 1, not {tp}",
                               {"sequence_parallel": True, "tp": 1},
                               [{"tp": 2}, {"sequence_parallel": False}])
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ConfigError("{tp_comm_overlap} hides sequence parallelism's all-gather and "
+                              "reduce-scatter behind the GEMMs beside them: without SP "
+                              "({sequence_parallel}) there are none",
+                              {"tp_comm_overlap": True, "sequence_parallel": False},
+                              [{"sequence_parallel": True, **({"tp": 2} if self.tp == 1 else {})},
+                               {"tp_comm_overlap": False}])
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.ep * self.dp * self.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of each ZeRO shard (HSDP; 1 when dp_shard is all of dp)."""
+        return self.dp // split_size(self, "dp")
+
+    def __repr__(self) -> str:       # the later options print only when set, so old outputs hold
+        fields = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                  if f.repr and not (f.name in _QUIET_AT_DEFAULT and getattr(self, f.name) == f.default))
+        return f"ParallelConfig({', '.join(fields)})"
 
     def sizes(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in DIMS}
@@ -119,15 +149,28 @@ class ParallelConfig:
         return rank
 
     def group_ranks(self, dims: tuple[str, ...]) -> list[list[int]]:
-        """All groups in which exactly `dims` vary, each a sorted list of global ranks."""
-        fixed = [d for d in DIMS if d not in dims]
+        """All groups in which exactly `dims` vary (whole dimensions or the digits of
+        subgroups.py), each a sorted list of global ranks."""
+        sizes, dims = digit_sizes(self), expand(dims)
+        fixed = [d for d in sizes if d not in dims]
+
+        def rank(digits: dict) -> int:
+            r = 0
+            for d in reversed(sizes):
+                r = r * sizes[d] + digits[d]
+            return r
+
         groups = []
-        for outer in product(*(range(getattr(self, d)) for d in fixed)):
+        for outer in product(*(range(sizes[d]) for d in fixed)):
             base = dict(zip(fixed, outer))
-            members = [self.rank_of(**base, **dict(zip(dims, inner)))
-                       for inner in product(*(range(getattr(self, d)) for d in dims))]
+            members = [rank({**base, **dict(zip(dims, inner))})
+                       for inner in product(*(range(sizes[d]) for d in dims))]
             groups.append(sorted(members))
         return sorted(groups)  # listed by first rank, as Megatron prints them: [[0,1],[2,3],...]
+
+    def node_crossing_groups(self) -> dict[str, list[list[int]]]:
+        """Each group kind's groups whose ranks sit on more than one node (runtime/placement.py)."""
+        return placement.crossing_groups(self)
 
     def embedding_ranks(self) -> list[list[int]]:
         """First and last pipeline stage of every pipeline (one rank when pp == 1)."""
@@ -214,13 +257,13 @@ def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None, *,
         raise ConfigError("selective recomputation of context-parallel attention is not built: "
                           "{recompute} with {cp}", {"recompute": "selective", "cp": cfg.cp},
                           [{"recompute": "full"}, {"recompute": "none"}, {"cp": 1}])
-    if cfg.cp > 1 and cfg.cp_variant == "ulysses" and ((heads // cfg.tp) % cfg.cp
-                                                       or (kv // cfg.tp) % cfg.cp):
+    a2a = {"ulysses": "cp", "hierarchical": "cp_a2a"}.get(cfg.cp_variant)   # heads split this way
+    if cfg.cp > 1 and a2a and ((heads // cfg.tp) % getattr(cfg, a2a) or (kv // cfg.tp) % getattr(cfg, a2a)):
         per_rank = math.gcd(heads // cfg.tp, kv // cfg.tp)
-        raise ConfigError(f"{{cp_variant}} gives each of the {{cp}} ranks whole heads, but a "
+        raise ConfigError(f"{{cp_variant}} gives each of the {{{a2a}}} ranks whole heads, but a "
                           f"tensor-parallel rank has {heads // cfg.tp} query and {kv // cfg.tp} "
-                          "key/value heads", {"cp_variant": "ulysses", "cp": cfg.cp},
-                          working("cp", divisors(per_rank))
+                          "key/value heads", {"cp_variant": cfg.cp_variant, a2a: getattr(cfg, a2a)},
+                          working(a2a, divisors(per_rank))
                           + [{"cp_variant": "ring"}, {"cp_variant": "allgather"}])
 
 
@@ -237,11 +280,17 @@ class Grid:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = world
         self.coords = config.coords(self.rank)
+        if self.rank == 0:
+            placement.warn_if_tp_crosses_nodes(config)   # a TP group spanning nodes: one line
         self.device = _default_device()
         self.groups: dict[str, Group] = {}
         for name, dims in GROUP_DIMS.items():
             self.groups[name] = _build(name, config.group_ranks(dims), self.rank)
         self.groups["embedding"] = _build("embedding", config.embedding_ranks(), self.rank)
+        for name, dims in SUBGROUP_DIMS.items():     # HSDP's and hierarchical cp's (subgroups.py)
+            same = same_group(config, name)
+            self.groups[name] = self.groups[same] if same else \
+                _build(name, config.group_ranks(dims), self.rank)
         # The names read like Megatron's: grid.tp is this rank's tensor-parallel group (a
         # comm.Group: .ranks, .rank, .size), grid.tp_rank its coordinate along tp. The
         # module docstring's table says what travels in each group.
@@ -255,6 +304,11 @@ class Grid:
         self.tp_ep = self.groups["tp_ep"]
         self.ep_dp = self.groups["ep_dp"]
         self.embedding = self.groups["embedding"]
+        self.dense_dp_shard = self.groups["dense_dp_shard"]
+        self.dp_cp_shard = self.groups["dp_cp_shard"]
+        self.dp_replicate = self.groups["dp_replicate"]
+        self.cp_a2a = self.groups["cp_a2a"]
+        self.cp_ring = self.groups["cp_ring"]
         self.tp_rank = self.coords["tp"]
         self.cp_rank = self.coords["cp"]
         self.ep_rank = self.coords["ep"]
@@ -264,6 +318,10 @@ class Grid:
     @property
     def sequence_parallel(self) -> bool:
         return self.config.sequence_parallel
+
+    @property
+    def tp_comm_overlap(self) -> bool:
+        return self.config.tp_comm_overlap
 
     @property
     def is_first_stage(self) -> bool:

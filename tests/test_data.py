@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minitron.train import data
-from minitron.data_parallel import local_rows
+from minitron.train.step import replica_rows
 from minitron.grid import ParallelConfig
 
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "data", "corpus.txt")
@@ -51,9 +51,9 @@ def test_each_data_parallel_rank_gets_its_own_rows():
     cfg = ParallelConfig(dp=4)
     rows = []
     for d in range(4):
-        class G:                                   # the two fields local_rows reads
+        class G:                                   # the two fields replica_rows reads
             config, coords = cfg, {"ep": 0, "dp": d}
-        rows.append(local_rows(8, G))
+        rows.append(replica_rows(8, G))
     assert [(r.start, r.stop) for r in rows] == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 

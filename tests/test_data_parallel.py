@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from minitron.runtime import comm, comm_async
 from minitron.data_parallel import (DataParallel, gathered_grads, gathered_params, load_grads,
                                     wrap)
-from minitron.data_parallel.step import forward_backward, local_rows
+from minitron.train.step import forward_backward, replica_rows
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
 from minitron.model.convert import rules
@@ -91,11 +91,11 @@ def dp_rank(pcfg, mcfg, zero_stage=0, steps=2, micro=1, batch=4, bucket_numel=No
         tokens, targets = make_batch(step, SEED, batch, seq, mcfg.vocab_size)
         step_seed = SEED * 1000 + step
         engine.zero_grad()
-        with comm.counting() as c:
-            forward_backward(model, engine, tokens, targets, micro_batches=micro, step_seed=step_seed,
-                             loss_scale=loss_scale)
-            engine.finish_grad_sync()
-        info["calls"].append({k: v["calls"] for k, v in c.as_dict().items()})
+        with comm.counting() as c:                         # its rows, micro-batches, finish_grad_sync
+            forward_backward(model, None, tokens, targets, step_seed, engine=engine,
+                             microbatches=micro, loss_scale=loss_scale)
+        info["calls"].append({k: v["calls"] for k, v in c.as_dict().items()
+                              if k.startswith("dense_dp/")})   # not the loss's mean over ep_dp
         info["wire"].append(c.wire_bytes(group="dense_dp"))
         info["events"].append(list(getattr(engine, "events", [])))
         grads = gather_state_dict(gathered_grads(engine), mcfg, grid)
@@ -257,8 +257,7 @@ def overlap_rank(mcfg):
     engine = DataParallel(model, grid, bucket_numel=4096)
     tokens, targets = make_batch(0, SEED, 8, mcfg.seq_len, mcfg.vocab_size)
     engine.zero_grad()
-    forward_backward(model, engine, tokens, targets)
-    engine.finish_grad_sync()
+    forward_backward(model, None, tokens, targets, 0, engine=engine)
     events = engine.comm_events()
     ordered = all(e.start <= e.end for e in events) and [e.stage for e in events] == sorted(e.stage for e in events)
     return len(events), engine.hidden_fraction(), ordered
@@ -306,14 +305,14 @@ def mixed_dtype_rank():
     return "accepted"
 
 
-def test_local_rows_split_over_dp_and_ep_not_cp():
+def test_replica_rows_split_over_dp_and_ep_not_cp():
     from types import SimpleNamespace
     cfg = ParallelConfig(dp=2, ep=2, cp=2)
-    got = [local_rows(8, SimpleNamespace(config=cfg, coords=cfg.coords(r))) for r in range(8)]
+    got = [replica_rows(8, SimpleNamespace(config=cfg, coords=cfg.coords(r))) for r in range(8)]
     starts = [s.start for s in got]          # rank = cp + 2 * (ep + 2 * dp)
     assert starts == [0, 0, 2, 2, 4, 4, 6, 6] and all(s.stop - s.start == 2 for s in got)
     with pytest.raises(ValueError, match="multiple of 4"):
-        local_rows(6, SimpleNamespace(config=cfg, coords=cfg.coords(0)))
+        replica_rows(6, SimpleNamespace(config=cfg, coords=cfg.coords(0)))
 
 
 def unused_param_rank(stage, plant):

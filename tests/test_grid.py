@@ -6,6 +6,7 @@ import types
 import pytest
 
 from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid, pad_vocab_size, validate_model
+from minitron.subgroups import SUBGROUP_DIMS
 from minitron.model.config import ModelConfig
 
 CONFIGS = [
@@ -149,7 +150,7 @@ def _grid_worker(cfg):
 def test_built_grid_matches_pure_functions(run_ranks):
     cfg = ParallelConfig(tp=2, dp=2, pp=2)
     results = run_ranks(_grid_worker, cfg, world_size=8)
-    expected = {name: cfg.group_ranks(dims) for name, dims in GROUP_DIMS.items()}
+    expected = {name: cfg.group_ranks(dims) for name, dims in {**GROUP_DIMS, **SUBGROUP_DIMS}.items()}
     expected["embedding"] = cfg.embedding_ranks()
     for rank, res in enumerate(results):
         assert res["rank"] == rank and res["cached"] and res["named"]

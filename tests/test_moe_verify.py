@@ -54,7 +54,7 @@ def test_planted_dispatch_bug_fails(run_ranks, plant):
     (["--ep", "2", "--experts", "4", "--pp", "2", "--capacity-factor", "1"], "inside pipeline stages"),
     (["--ep", "2", "--experts", "3"], "--experts 3 is not divisible by --ep 2"),
     (["--experts", "4", "--topk", "5"], "1 <= topk <= 4"),
-    (["--ep", "2", "--experts", "4", "--dtype", "bfloat16"], "; use --dtype float32"),
+    (["--ep", "2", "--experts", "4", "--pp", "2", "--dtype", "bfloat16"], "16-bit experts inside pipeline"),
 ])
 def test_bad_expert_options_exit_2(capsys, argv, message):
     assert verify_cli.main(argv) == 2

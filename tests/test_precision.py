@@ -14,7 +14,7 @@ import torch
 
 from minitron.data_parallel import precision
 from minitron.data_parallel import gathered_params, load_grads, wrap
-from minitron.data_parallel.step import forward_backward
+from minitron.train.step import forward_backward
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT, gather_state_dict, shard_state_dict
 from minitron.data_parallel.precision import LossScaler, clip_coefficient, grad_norm, optimizer_step
@@ -49,8 +49,7 @@ def overflow_rank():
     for step in range(4):
         tokens, targets = make_batch(step, SEED, 4, mcfg.seq_len, mcfg.vocab_size)
         engine.zero_grad()
-        forward_backward(model, engine, tokens, targets, loss_scale=scaler.scale)
-        engine.finish_grad_sync()
+        forward_backward(model, None, tokens, targets, step, engine=engine, loss_scale=scaler.scale)
         if step == 1 and grid.dp.rank == 1:
             engine.owned_grads()[0][0] = math.inf        # injected overflow, on one rank only
         before = torch.cat([t.clone() for t in engine.param_tensors()])
@@ -97,8 +96,7 @@ def norm_rank(pcfg, stage, plant=None, max_norm=0.5):
         precision._tp_replicated = lambda model, grid: set()
     tokens, targets = make_batch(0, SEED, 4, mcfg.seq_len, mcfg.vocab_size)
     engine.zero_grad()
-    forward_backward(model, engine, tokens, targets, step_seed=0)
-    engine.finish_grad_sync()
+    forward_backward(model, None, tokens, targets, 0, engine=engine)
     norm = grad_norm(engine, grid)
     ref_grads = {n: g.clone() for n, g in reference_grads(ref, tokens, targets, 0).items()}
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item()

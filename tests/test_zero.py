@@ -14,7 +14,7 @@ import torch
 from minitron.runtime import comm
 from minitron.data_parallel import (DataParallel, ZeroOptimizer, ZeroStage3, formula_bytes,
                                     gathered_params, measure, traffic_wire_bytes, wrap)
-from minitron.data_parallel.step import forward_backward
+from minitron.train.step import forward_backward
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import GPT, ModelConfig, ParallelGPT
 from minitron.verify import make_batch
@@ -66,12 +66,13 @@ def memory_rank(n, stages):
         engine, opt = wrap(model, grid, stage, bucket_numel=None, lr=LR, eps=EPS)
         engine.zero_grad()
         with comm.counting() as c:
-            forward_backward(model, engine, tokens, targets)
-            engine.finish_grad_sync()
+            forward_backward(model, None, tokens, targets, 0, engine=engine)
             opt.step()
         mem = measure(model, engine, opt)
-        out[stage] = dict(psi=psi, padded=engine.padded_numel, mem=mem,
-                          wire=c.wire_bytes(group="dense_dp"), other=c.wire_bytes() - c.wire_bytes(group="dense_dp"),
+        loss_mean = c.wire_bytes(group="ep_dp")         # the step's loss, averaged over replicas
+        out[stage] = dict(psi=psi, padded=engine.padded_numel, mem=mem, loss_mean=loss_mean,
+                          wire=c.wire_bytes(group="dense_dp"),
+                          other=c.wire_bytes() - c.wire_bytes(group="dense_dp") - loss_mean,
                           master_dtype=opt.master.dtype, param_dtype=next(model.parameters()).dtype)
         engine.remove_hooks()
     return out
@@ -86,7 +87,7 @@ def test_memory_and_traffic_equal_the_formulas(run_ranks, n):
             assert got["param_dtype"] == torch.bfloat16 and got["master_dtype"] == torch.float32
             assert got["mem"] == formula_bytes(psi, n, stage), (stage, got["mem"])
             assert got["wire"] == traffic_wire_bytes(psi, n, stage), (stage, got["wire"])
-            assert got["other"] == 0
+            assert got["other"] == 0 and got["loss_mean"] == 2 * (n - 1) / n * 4   # one float32
     per_rank = per_rank  # the last rank's: stage 3's traffic is 1.5 times plain DP's
     assert per_rank[3]["wire"] == 1.5 * per_rank[0]["wire"] == 1.5 * per_rank[1]["wire"]
 
@@ -195,8 +196,7 @@ def one_unit_rank():
     tokens, targets = make_batch(0, SEED, 4, mcfg.seq_len, mcfg.vocab_size)
     engine.zero_grad()
     with comm.counting() as c:
-        forward_backward(model, engine, tokens, targets)
-        engine.finish_grad_sync()
+        forward_backward(model, None, tokens, targets, 0, engine=engine)
     after = sum(v.gathered for v in engine.units)
     return seen, after, c.calls("all_gather"), c.calls("reduce_scatter"), len(engine.units)
 

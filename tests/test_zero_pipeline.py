@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from minitron.runtime import comm
-from minitron.data_parallel import (ZeroOptimizer, ZeroStage3, formula_bytes, local_rows, measure,
+from minitron.train.step import replica_rows
+from minitron.data_parallel import (ZeroOptimizer, ZeroStage3, formula_bytes, measure,
                                     traffic_wire_bytes)
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import ModelConfig
@@ -82,7 +83,7 @@ def pipeline_memory_rank(schedule_name):
                 gathered[id(u)].append(u.full.detach().clone())
         u.gather = gather
     tokens, targets = make_batch(0, 0, M * grid.dp.size, mcfg.seq_len, mcfg.vocab_size)
-    rows = local_rows(tokens.shape[0], grid)
+    rows = replica_rows(tokens.shape[0], grid)
     engine.zero_grad()
     model.rng.reset(0)
     with comm.counting() as c:

@@ -1,5 +1,7 @@
 """python -m minitron.bench overlap: how much of data parallelism's gradient all-reduce hides
-behind backward, measured at dp=2 on the CPU (gloo).
+behind backward, measured at dp=2 on the CPU (gloo); with --tp 2, beside it, how much of
+sequence parallelism's all-gather / reduce-scatter the chunked ring hides behind the GEMMs
+(tp_overlap.py).
 
 Two ranks hold the same GPT (the overhead benchmark's) under DataParallel and train on their
 halves of one batch. The gradient buffer is cut into `--buckets` buckets; the backward hook that
@@ -75,7 +77,7 @@ def _alone(sizes: list[int], group, world) -> list[float]:
 
 def _overlap_rank(cfg: ModelConfig, batch: int, buckets: int, repeats: int) -> dict:
     from ..data_parallel import DataParallel
-    from ..data_parallel.step import local_rows
+    from ..train.step import replica_rows
 
     grid = build_grid(ParallelConfig(dp=2))
     world = comm.Group("world", range(grid.world_size))
@@ -83,7 +85,7 @@ def _overlap_rank(cfg: ModelConfig, batch: int, buckets: int, repeats: int) -> d
     numel = sum(p.numel() for p in model.parameters())
     engine = DataParallel(model, grid, bucket_numel=-(-numel // buckets))
     tokens, targets = make_batch(0, 0, batch, cfg.seq_len, cfg.vocab_size)
-    rows = local_rows(batch, grid)
+    rows = replica_rows(batch, grid)
     tokens, targets = tokens[rows], targets[rows]
     sizes = [b.numel for gb in engine.buffers for b in gb.layout.buckets]
     _step(model, engine, tokens, targets, world, sync=True)          # warm-up: gloo's pairs, allocator
@@ -122,15 +124,34 @@ def timeline(step: dict, width: int = 56) -> list[str]:
 
 
 def run(argv: list[str] | None = None) -> int:
-    from .overhead import OVERHEAD_CONFIG, machine
-
     p = argparse.ArgumentParser(prog="python -m minitron.bench overlap")
     p.add_argument("--buckets", type=int, default=4, help="buckets the gradient buffer is cut into")
     p.add_argument("--batch", type=int, default=8, help="global batch (each rank takes half)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2),
+                   help="2: also the tensor-parallel overlap (SP's comm behind the GEMMs, tp=2)")
+    p.add_argument("--plot", default=None, help="with --tp 2: draw its timeline into this PNG")
     args = p.parse_args(argv)
     if args.buckets < 1 or args.repeats < 1 or args.batch < 2 or args.batch % 2:
         p.error("--buckets and --repeats must be >= 1, --batch even (two ranks share it)")
+    if args.plot and args.tp != 2:
+        p.error(f"--plot {args.plot} draws the tensor-parallel timeline: add --tp 2")
+    dp_hidden = _data_parallel(args)
+    if args.tp == 2:
+        from . import tp_overlap
+        print("\ntensor parallel, SP's all-gather / reduce-scatter chunked behind the GEMMs "
+              "(--tp-comm-overlap):")
+        tp = tp_overlap.run(tp_overlap.SHAPE, args.repeats, plot_to=args.plot)
+        print(f"\nhidden, side by side: data parallel {100 * dp_hidden:.0f}% of the gradient "
+              f"all-reduces behind backward (aim {100 * AIM:.0f}%); tensor parallel "
+              f"{100 * tp['hidden']:.0f}% of the SP messages behind the GEMMs (aim "
+              f"{100 * tp_overlap.AIM:.0f}%)")
+    return 0
+
+
+def _data_parallel(args) -> float:
+    """The data-parallel measurement, printed; returns its median step's hidden share."""
+    from .overhead import OVERHEAD_CONFIG, machine
     cfg = OVERHEAD_CONFIG
     ranks = launch(_overlap_rank, cfg, args.batch, args.buckets, args.repeats, world_size=2,
                    backend="gloo")
@@ -172,7 +193,7 @@ def run(argv: list[str] | None = None) -> int:
           f"so the all-reduces stretch ({1e3 * fig['comm']:.1f} ms in flight against "
           f"{1e3 * sum(alone):.1f} ms alone) and take time from backward; NCCL on GPUs does this "
           "work on the network and copy engines, beside the compute kernels")
-    return 0
+    return fig["hidden"]
 
 
 def _cores() -> int:

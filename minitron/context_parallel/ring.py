@@ -28,26 +28,34 @@ import torch
 from ..runtime import comm_async
 from ..runtime.comm import P2P, Group
 from .blocks import Accumulator, BlockMath, block_pairs
-from .sharding import chunk_ids, positions
+from .sharding import chunk_ids
 
 
 class RingSetup:
-    """What the autograd function needs besides tensors (one per call)."""
+    """What the autograd function needs besides tensors (one per call).
 
-    def __init__(self, group: Group, layout: str, causal: bool, math: BlockMath):
+    chunks_of(r): the sequence chunks ring rank r holds, in its local order (default: its two
+    of sharding.chunk_ids; the hierarchical variant's ring ranks hold a group's 2*cp_a2a)."""
+
+    def __init__(self, group: Group, layout: str, causal: bool, math: BlockMath, chunks_of=None):
         self.group, self.layout, self.causal, self.math = group, layout, causal, math
         self.cp, self.rank = group.size, group.rank
         self.next, self.prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        self.chunks_of = chunks_of or (lambda r: chunk_ids(self.cp, r, layout))
 
     def blocks(self, src: int, s_local: int, device):
         """Every (rows, cols, causal, q positions, k positions) this rank computes against
-        the key/value block of cp-rank `src`."""
-        s, c = s_local * self.cp, s_local // 2
-        q_pos = positions(s, self.cp, self.rank, self.layout, device)
-        k_pos = positions(s, self.cp, src, self.layout, device)
-        mine, theirs = chunk_ids(self.cp, self.rank, self.layout), chunk_ids(self.cp, src, self.layout)
+        the key/value block of ring rank `src`."""
+        mine, theirs = self.chunks_of(self.rank), self.chunks_of(src)
+        c = s_local // len(mine)
+        q_pos, k_pos = chunk_positions(mine, c, device), chunk_positions(theirs, c, device)
         return [(rows, cols, diag, q_pos[rows], k_pos[cols])
                 for rows, cols, diag in block_pairs(mine, theirs, c, self.causal)]
+
+
+def chunk_positions(chunks, c: int, device) -> torch.Tensor:
+    """Global positions of chunks (c tokens each) end to end (sharding.positions' arithmetic)."""
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunks])
 
 
 class RingAttention(torch.autograd.Function):

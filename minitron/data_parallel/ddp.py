@@ -36,6 +36,12 @@ in Megatron) over `dp_cp`, the ranks that hold the same expert, but divided by t
 dense_dp size: the tokens of every expert-parallel rank already reached the expert through
 the all-to-all, so the sum over dp_cp covers all dense_dp ranks' data.
 
+Hybrid sharding (HSDP, grid.dp_shard < dp): stages 1 and 2 reduce-scatter each bucket and
+all-gather the weights inside the shard group only (dense_dp_shard, or dp_cp_shard for
+experts: dp_shard ranks, neighbours), then all-reduce the 1/dp_shard they keep across the
+dp_replicate copies of that shard: the only collective that leaves the shard group, and it
+carries 1/dp_shard of the gradient (data_parallel/memory.py has the bytes per group).
+
 Gradient accumulation: inside `no_sync()` the hooks only move each first gradient into the
 buffer, gradients add up there, and only the last micro-batch's backward communicates (once
 per bucket).
@@ -68,8 +74,9 @@ DEFAULT_BUCKET_NUMEL = 40_000_000   # Megatron's default bucket size, in element
 
 
 def reduction_group(p: nn.Parameter, grid: Grid):
-    """The group a parameter's gradient is summed over (see the module docstring)."""
-    return grid.dp_cp if getattr(p, "allreduce", True) is False else grid.dense_dp
+    """The group a parameter's gradient is summed (and ZeRO-sharded) over (module docstring);
+    with HSDP its shard group, the sum completed across grid.dp_replicate."""
+    return grid.dp_cp_shard if getattr(p, "allreduce", True) is False else grid.dense_dp_shard
 
 
 def sum_sequence_parallel_grads(engine: GradientEngine, grid: Grid) -> None:
@@ -102,7 +109,11 @@ class DataParallel(GradientEngine):
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero_stage 0, 1 or 2, got {zero_stage!r}; "
                              "stage 3 shards the parameters too: use ZeroStage3")
+        if zero_stage == 0 and grid.dp_replicate.size > 1:
+            raise ValueError(f"dp_shard={grid.config.dp // grid.dp_replicate.size} shards ZeRO's state, but ZeRO 0 "
+                             f"shards nothing: use zero_stage 1, 2 or 3, or dp_shard={grid.config.dp}")
         self.model, self.grid, self.zero_stage = model, grid, zero_stage
+        self.replicas = grid.dp_replicate
         self.names = {p: n for n, p in model.named_parameters()}
         params = [p for p in model.parameters() if p.requires_grad]
         by_group: dict[str, tuple] = {}
@@ -138,9 +149,15 @@ class DataParallel(GradientEngine):
                 self._launch(gb, gb.next_launch)
             for b in range(len(gb.layout.buckets)):
                 gb.land(b)
+                if self.zero_stage >= 1:
+                    self.sync_replicas(gb.owned_grads()[b])
                 self.events.append(("landed", b, time.perf_counter()))
             gb.reset()
         sum_sequence_parallel_grads(self, self.grid)
+
+    def sync_replicas(self, shard: torch.Tensor) -> None:
+        """HSDP: sum a reduced gradient shard across the copies of this shard (in place)."""
+        comm.all_reduce(shard, self.replicas)
 
     def zero_grad(self) -> None:
         """Start a step. .grad becomes None, not a zeroed view: the first gradient is copied

@@ -33,8 +33,9 @@ class GradientEngine(abc.ABC):
     """Averages `model`'s gradients over the grid's data-parallel groups and keeps the pieces of
     parameters and gradients that this rank's optimizer steps.
 
-    Set by every engine: `model`, `grid`, `names` (parameter -> its name in the state dict) and
-    `zero_stage` (0-3). ZeroStage3 also has param_pieces(p): its parameters are pieces too.
+    Set by every engine: `model`, `grid`, `names` (parameter -> its name in the state dict),
+    `zero_stage` (0-3) and `replicas` (grid.dp_replicate: the ranks holding copies of this
+    rank's pieces under hybrid sharding; one rank otherwise). ZeroStage3 also has param_pieces(p): its parameters are pieces too.
     """
 
     model: nn.Module
@@ -88,7 +89,8 @@ class GradientEngine(abc.ABC):
 
     @abc.abstractmethod
     def group_of(self, p: nn.Parameter) -> Group:
-        """The group p's gradient is averaged over, and across which its pieces are spread."""
+        """The group across which p's pieces are spread (and its gradient summed, completed
+        across `replicas` under hybrid sharding)."""
 
     @abc.abstractmethod
     def grad_pieces(self, p: nn.Parameter) -> list[Piece]:

@@ -19,6 +19,15 @@ Traffic per step, wire bytes per rank (what a ring sends; minitron.runtime.comm 
                                          micro-batches accumulate under no_sync
     stage 3          3m (N-1)/N * 2Ψ     (all-gather twice, reduce-scatter once, per micro-batch:
                                          1.5x at m = 1; zero3.py says why per micro-batch)
+Hybrid sharding (HSDP: N = S x R, ZeRO over the S ranks of a shard group, R copies of each
+shard): memory is the table's with N = S, and the traffic splits by group,
+
+    shard group       the ZeRO collectives above with N = S     (fast links: inside a node)
+    dp_replicate      2 (R-1)/R * 2Ψ/S, once per step            (the all-reduce of the kept
+                                                                 1/S of the gradient)
+
+so the slow links carry 2 (R-1)/R * 2Ψ/S bytes per rank instead of flat ZeRO's 2 (N-1)/N * 2Ψ
+(stage 3: 3m (N-1)/N * 2Ψ): S times less, at S/N of ZeRO's memory saving.
 A pipeline rank's Ψ is its stages' parameters: the data-parallel group of a pipeline rank holds
 the same stages, and the formulas hold for it with Ψ = Ψ_rank.
 """
@@ -93,3 +102,15 @@ def traffic_wire_bytes(psi: int, n: int, stage: int, elem_bytes: int = 2,
         raise ValueError(f"a step has at least one micro-batch, got microbatches={microbatches}")
     passes = 3 * microbatches if stage == 3 else 2
     return passes * (n - 1) / n * elem_bytes * psi
+
+
+def hsdp_wire_bytes(psi: int, shard: int, replicas: int, stage: int, elem_bytes: int = 2,
+                    microbatches: int = 1) -> dict[str, float]:
+    """Wire bytes per rank per step of hybrid sharding, by group (module docstring): the shard
+    group's ZeRO collectives, and the all-reduce of the kept 1/shard across the replicas."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"hybrid sharding shards ZeRO's state: stage 1, 2 or 3, got {stage!r}")
+    if psi % shard:
+        raise ValueError(f"psi={psi} is not divisible by shard={shard}: pass the padded count")
+    return {"shard": traffic_wire_bytes(psi, shard, stage, elem_bytes, microbatches),
+            "replicate": 2 * (replicas - 1) / replicas * elem_bytes * psi / shard}

@@ -115,7 +115,7 @@ def _counted_here(engine: GradientEngine, p: nn.Parameter, name: str, grid, repl
         return False
     if engine.grads_replicated:                # every rank of p's group holds it: count one
         return engine.group_of(p).rank == 0
-    return True
+    return engine.replicas.rank == 0           # HSDP: each shard's copies count once
 
 
 def grad_norm(engine: GradientEngine, grid, grad_scale: float = 1.0) -> float:

@@ -30,9 +30,6 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     if not hasattr(model, "layers"):
         raise ValueError("ZeroStage3 needs units= (the modules to gather one at a time) for a "
                          "model without .layers")
-    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        raise ValueError("ZeroStage3 gathers the embedding unit for the embedding's forward only, "
-                         "but a tied output layer reuses its weight later: use tie_embeddings=False")
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     first = [model.embedding] if hasattr(model, "embedding") else []
     last = [getattr(model, name) for name in ("final_norm", "lm_head") if hasattr(model, name)]
@@ -70,6 +67,7 @@ class _Unit:
         self.shard = self.full[self.range[0]:self.range[1]].clone()   # ZeroStage3 re-homes these
         self.grad_shard = torch.zeros_like(self.shard)
         self.gathered = True
+        self.held = False     # a weight used twice (tied embedding): gathered until its reduce
         self.contributions = {p: 0 for p in params}   # gradients in this step, per parameter
         self.reduced = 0                                # micro-batches reduce-scattered so far
         # A group of one: the shard is the whole unit, so there is nothing to gather or free
@@ -90,7 +88,7 @@ class _Unit:
         if min(self.contributions.values()) > self.reduced:
             self.reduce_grads(scale)
             self.reduced += 1
-            self.free()
+            self.free(force=True)
 
     def gather(self) -> None:
         if self.gathered or not self.sharded:
@@ -99,8 +97,9 @@ class _Unit:
         comm_async.all_gather(self.shard, self.group, out=self.full).wait()
         self.gathered = True
 
-    def free(self) -> None:
-        if not self.sharded:
+    def free(self, force: bool = False) -> None:
+        """Drop the gathered weights (a held unit only when its gradients are sent: `force`)."""
+        if not self.sharded or (self.held and not force):
             return
         self.full.untyped_storage().resize_(0)
         self.gathered = False
@@ -136,6 +135,11 @@ class ZeroStage3(GradientEngine):
     optimizer only writes it after the step): every micro-batch sees the same weights.
     Dense parameters only (experts would shard over dp_cp).
 
+    Hybrid sharding (HSDP, grid.dp_shard < dp): units are sharded over dense_dp_shard only, so
+    every gather and reduce-scatter stays inside it; the micro-batches' sum in the gradient
+    shard is then all-reduced once across dp_replicate (finish_grad_sync), 1/dp_shard of the
+    gradient crossing the slow links once per step instead of every weight 2m times.
+
     Gradient accumulation, DeepSpeed's way: a unit's gradients are reduce-scattered into this
     rank's gradient shard as soon as a micro-batch's last one is in, and .grad is freed; the
     micro-batches add up in the shard. So gradients stay sharded (2Ψ/N, plus one unit's
@@ -147,6 +151,14 @@ class ZeroStage3(GradientEngine):
     against (2m+1) (N-1)/N * bytes(Ψ) for keeping the whole .grad until the last micro-batch
     (one reduce-scatter, but 2Ψ of full gradients alive all step: ZeRO-2's memory). no_sync()
     is therefore a no-op: there is nothing to hold back.
+
+    Tied embeddings (pp = 1): the word embedding has one owner, the embedding unit, and two
+    uses, the lookup and the output layer. That unit is "held": gathered by the lookup's
+    forward, freed only once its gradients are reduce-scattered. Autograd sums both uses'
+    gradients into the one .grad before the post-accumulate hook fires, so one reduce-scatter
+    sends their sum. The price: the V/tp x h table stays whole through the micro-batch; it is
+    gathered once per micro-batch, not twice (tests/test_zero3_tied.py counts the bytes).
+    Inside pipeline stages the two uses sit on other ranks or interleave: refused.
 
     Pipelines (PipelineGPT: only this rank's stages; one unit per layer it holds) need nothing
     more: a stage runs its units' forwards m times and their backwards m times, each with its
@@ -177,7 +189,7 @@ class ZeroStage3(GradientEngine):
         if any(getattr(p, "allreduce", True) is False for p in wanted):
             raise ValueError("ZeroStage3 shards dense parameters over dense_dp; expert parameters "
                              "(allreduce=False) are not supported yet: use DataParallel")
-        self.group = grid.dense_dp
+        self.group, self.replicas = grid.dense_dp_shard, grid.dp_replicate   # HSDP: see below
         self.scale = 1.0 / grid.dense_dp.size
         rank = self.group.rank
         self.units = [_Unit(u, self.group, rank) for u in units]
@@ -193,6 +205,11 @@ class ZeroStage3(GradientEngine):
             if not u.sharded:
                 u.share_shard()
         self.unit_of = {p: u for u in self.units for p in u.params}
+        if getattr(model.cfg, "tie_embeddings", False):    # the tied weight: see the class doc
+            if getattr(model, "n_stages", 1) > 1:
+                raise ValueError("ZeroStage3 holds a tied embedding gathered through a micro-batch; "
+                                 "inside pipeline stages: use tie_embeddings=False")
+            self.unit_of[model.embedding.word.weight].held = True
         self._hooks = []
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(
@@ -239,9 +256,14 @@ class ZeroStage3(GradientEngine):
         for u in self.units:
             if any(p.grad is not None for p in u.params):   # a parameter that got no gradient
                 u.reduce_grads(self.scale)
-            u.free()
+            u.free(force=True)
             u.reset()
+        self.sync_replicas(self.grad_shards)
         sum_sequence_parallel_grads(self, self.grid)
+
+    def sync_replicas(self, shard: torch.Tensor) -> None:
+        """HSDP: sum the gradient shards across the copies of this shard (in place, one call)."""
+        comm.all_reduce(shard, self.replicas)
 
     def zero_grad(self) -> None:
         for u in self.units:

@@ -87,11 +87,13 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         hd, tp, sp = cfg.head_dim, ctx.grid.tp, ctx.grid.sequence_parallel
+        overlap = ctx.grid.tp_comm_overlap
         self.heads, self.kv_heads = cfg.n_heads // tp.size, cfg.kv_heads // tp.size   # this rank's
         self.qkv = ColumnParallelLinear(cfg.hidden, (cfg.n_heads + 2 * cfg.kv_heads) * hd, tp,
-                                        bias=cfg.bias, sequence_parallel=sp)
+                                        bias=cfg.bias, sequence_parallel=sp, comm_overlap=overlap)
         self.out = RowParallelLinear(cfg.n_heads * hd, cfg.hidden, tp, bias=cfg.bias,
-                                     input_is_parallel=True, sequence_parallel=sp)
+                                     input_is_parallel=True, sequence_parallel=sp,
+                                     comm_overlap=overlap)
 
     def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
         hd = self.cfg.head_dim
@@ -128,7 +130,7 @@ class ParallelAttention(nn.Module):
             shape = (b, self.cfg.n_heads, s, s)
             like = q.new_empty(()).expand(b, self.heads, s, s)   # only its shape and device are read
             drop = rng.local_mask(like, p, (slice(None), heads), shape).to(q.dtype) / (1.0 - p)
-        return context_parallel_attention(q, k, v, self.ctx.grid.cp,
+        return context_parallel_attention(q, k, v, self.ctx.grid,
                                           variant=self.ctx.grid.config.cp_variant, causal=True,
                                           scale=self.cfg.head_dim ** -0.5,
                                           use_kernels=self.cfg.use_kernels, drop=drop)
@@ -141,11 +143,11 @@ class ParallelMLP(nn.Module):
         width = 2 * cfg.ffn if cfg.activation == "swiglu" else cfg.ffn   # [gate; up] fused
         # With kernels, GeLU's input bias is added inside ops.bias_gelu, in the same pass.
         self.fuse_bias = cfg.use_kernels and cfg.activation == "gelu" and cfg.bias
-        tp, sp = ctx.grid.tp, ctx.grid.sequence_parallel
-        self.fc1 = ColumnParallelLinear(cfg.hidden, width, tp, bias=cfg.bias,
-                                        sequence_parallel=sp, skip_bias_add=self.fuse_bias)
-        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, tp, bias=cfg.bias,
-                                     input_is_parallel=True, sequence_parallel=sp)
+        tp, sp, overlap = ctx.grid.tp, ctx.grid.sequence_parallel, ctx.grid.tp_comm_overlap
+        self.fc1 = ColumnParallelLinear(cfg.hidden, width, tp, bias=cfg.bias, sequence_parallel=sp,
+                                        skip_bias_add=self.fuse_bias, comm_overlap=overlap)
+        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden, tp, bias=cfg.bias, input_is_parallel=True,
+                                     sequence_parallel=sp, comm_overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuse_bias:

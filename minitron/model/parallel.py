@@ -35,7 +35,7 @@ core, in backward (minitron/model/recompute.py), with the same dropout masks.
 
 Context parallelism (grid.cp > 1, minitron/context_parallel): a rank's tokens are its cp rank's
 two zigzag chunks of every sequence (then, under SP, its 1/tp of those). Attention reaches the
-other cp ranks' keys and values by ParallelConfig.cp_variant (ring, allgather or ulysses);
+other cp ranks' keys and values by ParallelConfig.cp_variant (ring, allgather, ulysses or hierarchical);
 every other layer is per token and runs unchanged. Learned and rotary positions, and every
 dropout mask, follow the tokens' global positions (BlockContext.positions, blocks.py). Each
 rank's loss is the mean over its own tokens, so finalize_grads averages every gradient over cp.
@@ -57,6 +57,7 @@ from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                              vocab_parallel_cross_entropy)
 from ..tensor_parallel.grads import allreduce_sequence_parallel_grads
 from ..tensor_parallel.layers import ColumnParallelLinear
+from ..tensor_parallel.overlap import allgather_matmul
 from ..tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                         gather_from_sequence_parallel_region)
 from ..tensor_parallel.random import make_dropout_rng
@@ -96,7 +97,8 @@ class ParallelGPT(nn.Module):
         mark_sequence_parallel(self.final_norm, grid.sequence_parallel)
         if not cfg.tie_embeddings:
             self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, grid.tp, bias=False,
-                                                sequence_parallel=grid.sequence_parallel)
+                                                sequence_parallel=grid.sequence_parallel,
+                                                comm_overlap=grid.tp_comm_overlap)
         self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
         # The same weights as GPT(cfg, seed): initialise the full model once, keep our shards.
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid))
@@ -138,6 +140,8 @@ class ParallelGPT(nn.Module):
         if not self.cfg.tie_embeddings:
             return self.lm_head(x)
         # What ColumnParallelLinear.forward does, with the embedding's weight shard.
+        if self.grid.tp_comm_overlap:
+            return allgather_matmul(x, self.output_weight(), self.grid.tp)
         if self.grid.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.grid.tp)
         else:

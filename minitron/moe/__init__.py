@@ -1,6 +1,7 @@
 """Mixture of experts and expert parallelism: router.py (top-k gating, capacity, auxiliary
 losses), experts.py (the local experts as one batched matmul), dispatch.py (all-to-all and
-all-gather token dispatch), layer.py (the expert-parallel layer), reference.py (one device)."""
+all-gather token dispatch), layer.py (the expert-parallel layer), reference.py (one device);
+expert_layout.py: which ranks form the expert groups, minitron's layout or Megatron-Core's."""
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts
 from .layer import ParallelMoE, check_moe_grid

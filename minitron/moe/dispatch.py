@@ -56,7 +56,8 @@ def combine(y_pairs: torch.Tensor, r: Routing) -> torch.Tensor:
 class AllToAllDispatcher:
     """Steps 1-5 of the module docstring. `plant` (verify's tests): "split" gives one row of
     the first local expert to the next in the grouped matmul, "unpermute" shifts the undoing
-    of the regrouping by one row."""
+    of the regrouping by one row, "route" sends the first token's first choice to an expert
+    the router did not choose."""
 
     def __init__(self, group: Group, n_experts: int, ep: int, tp: int, tp_rank: int):
         self.group, self.n_experts, self.ep, self.tp, self.tp_rank = group, n_experts, ep, tp, tp_rank
@@ -65,6 +66,8 @@ class AllToAllDispatcher:
 
     def __call__(self, x: torch.Tensor, r: Routing, experts: GroupedExperts) -> torch.Tensor:
         n_tokens, hidden = x.shape
+        if self.plant == "route" and n_tokens:
+            r.experts = _misroute_first_token(r.experts, self.n_experts)
         top_k, n_local, n_members = r.experts.shape[1], self.local, self.group.size
         device = x.device
         # 1. permute: sorted by expert, the pairs bound for ep rank j are one block of `pairs`
@@ -107,6 +110,13 @@ class AllToAllDispatcher:
         returned = all_to_all(y[arrival_order], self.group, send_splits, recv_splits)
         y_pairs = x.new_zeros(n_tokens * top_k, hidden).index_add(0, sent_pairs, returned)
         return combine(y_pairs, r)
+
+
+def _misroute_first_token(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The planted "route" bug: token 0's first choice replaced by the lowest expert it did not choose."""
+    wrong = experts.clone()
+    wrong[0, 0] = min(set(range(n_experts)) - set(experts[0].tolist()))
+    return wrong
 
 
 class AllGatherDispatcher:

@@ -87,6 +87,7 @@ class ParallelMoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.routing = None
+        self.imposed_experts: torch.Tensor | None = None   # [n, k] verify --reference-routing only
 
     def _token_groups(self):
         """The groups whose ranks hold other tokens of the batch."""
@@ -96,7 +97,7 @@ class ParallelMoE(nn.Module):
         b, s_local, h = x.shape
         cfg, grid = self.cfg, self.grid
         flat = x.reshape(-1, h)
-        r = route(self.router(flat), cfg, self.expert_bias)
+        r = route(self.router(flat), cfg, self.expert_bias, self.imposed_experts)
         offsets = None
         if cfg.capacity_factor is not None and self.sp:
             # tokens of the same sequences that earlier tp ranks sent to each expert

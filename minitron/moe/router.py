@@ -48,18 +48,25 @@ class Routing:
     probs: torch.Tensor     # [n, E]: softmax over all experts (the aux loss reads it)
     logits: torch.Tensor    # [n, E]
     keep: torch.Tensor      # [n, k] bool: False where a capacity factor dropped the pair
+    own: torch.Tensor | None = None   # [n, k]: this router's own top-k when `experts` was imposed
 
 
-def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None) -> Routing:
-    """Top-k gating of `logits` [n, E] (no capacity yet: keep is all True)."""
+def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None,
+          imposed: torch.Tensor | None = None) -> Routing:
+    """Top-k gating of `logits` [n, E] (no capacity yet: keep is all True).
+
+    `imposed` [n, k] (verification only, `minitron.verify --reference-routing`): take these
+    experts instead of this router's top-k, which is kept in Routing.own. The gates are still
+    this router's scores at those experts, so everything downstream stays differentiable."""
     probs = torch.softmax(logits.float(), dim=-1).to(logits.dtype)
     scores = probs if cfg.router_pre_softmax else logits
     choose = scores if bias is None else scores + bias          # the bias steers choice only
-    experts = torch.topk(choose.detach(), cfg.topk, dim=-1).indices
+    own = torch.topk(choose.detach(), cfg.topk, dim=-1).indices
+    experts = own if imposed is None else imposed
     picked = scores.gather(-1, experts)
     gates = picked if cfg.router_pre_softmax else torch.softmax(picked, dim=-1)
     keep = torch.ones_like(experts, dtype=torch.bool)
-    return Routing(experts, gates, probs, logits, keep)
+    return Routing(experts, gates, probs, logits, keep, None if imposed is None else own)
 
 
 def capacity(cfg: ModelConfig, seq: int) -> int | None:

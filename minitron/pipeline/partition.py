@@ -112,7 +112,8 @@ class PipelineGPT(ParallelGPT):
             mark_sequence_parallel(self.final_norm, grid.sequence_parallel)
             if not cfg.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, grid.tp, bias=False,
-                                                    sequence_parallel=grid.sequence_parallel)
+                                                    sequence_parallel=grid.sequence_parallel,
+                                                    comm_overlap=grid.tp_comm_overlap)
         self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid, placement))
         self.to(grid.device)

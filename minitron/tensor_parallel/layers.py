@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..runtime.comm import Group
 from .weight_grad import linear   # F.linear, deferrable for zero-bubble schedules (weight_grad.py)
+from .overlap import allgather_matmul, matmul_reduce_scatter   # comm_overlap: overlap.py
 from .mappings import (copy_to_tensor_model_parallel_region,
                        gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region,
@@ -39,20 +40,29 @@ def _divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
+def _check_overlap(comm_overlap: bool, sequence_parallel: bool) -> None:
+    if comm_overlap and not sequence_parallel:
+        raise ValueError("comm_overlap hides sequence parallelism's all-gather and reduce-scatter "
+                         "behind the GEMMs: it needs sequence_parallel=True")
+
+
 class ColumnParallelLinear(nn.Module):
     """y_i = x A_i (+ b_i): each rank computes a slice of the output features (weight = A_i^T).
 
     skip_bias_add=True (Megatron's name) returns (x A_i, b_i) instead, leaving the bias to
     the caller so a fused kernel can add it together with what follows (e.g. bias + GeLU).
+    comm_overlap=True (with sequence_parallel) gathers x chunk by chunk behind the GEMM.
     """
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 skip_bias_add: bool = False):
+                 skip_bias_add: bool = False, comm_overlap: bool = False):
         super().__init__()
         if skip_bias_add and gather_output:
             raise ValueError("skip_bias_add returns this rank's bias shard: use gather_output=False")
+        _check_overlap(comm_overlap, sequence_parallel)
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.comm_overlap = comm_overlap
         self.skip_bias_add = skip_bias_add
         self.in_features, self.out_features = in_features, out_features
         local_out = _divide(out_features, group.size, "out_features")
@@ -61,6 +71,12 @@ class ColumnParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm_overlap:        # the gather and the GEMM in one, chunk by chunk (overlap.py)
+            y = allgather_matmul(x, self.weight, self.group)
+            if self.skip_bias_add:
+                return y, self.bias
+            y = y if self.bias is None else y + self.bias
+            return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
         if self.sequence_parallel:   # x is [b, s/tp, h]: gather the sequence first
             x = gather_from_sequence_parallel_region(x, self.group)
         else:                        # f: identity now, all-reduce of dL/dx in backward
@@ -75,11 +91,14 @@ class RowParallelLinear(nn.Module):
     """y = sum_i x_i B_i + b: each rank multiplies its slice of the input features (weight = B_i^T)."""
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 comm_overlap: bool = False):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
+        _check_overlap(comm_overlap, sequence_parallel)
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.comm_overlap = comm_overlap   # reduce-scatter chunk by chunk behind the GEMM
         self.input_is_parallel = input_is_parallel
         self.in_features, self.out_features = in_features, out_features
         local_in = _divide(in_features, group.size, "in_features")
@@ -95,6 +114,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:   # a full input: keep our slice of its features, and
             x = scatter_to_tensor_model_parallel_region(x, self.group)  # gather dL/dx in backward
+        if self.comm_overlap:            # the GEMM and the reduce-scatter in one (overlap.py)
+            y = matmul_reduce_scatter(x, self.weight, self.group)
+            return y + self.bias if self.bias is not None else y
         partial = linear(x, self.weight)
         if self.sequence_parallel:       # sum the partials and keep our part of the sequence
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group)

@@ -55,7 +55,13 @@ def parser() -> argparse.ArgumentParser:
     for dim in ("tp", "pp", "dp", "cp", "ep", "virtual"):
         g(f"--{dim}", type=int, default=1)
     g("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    g("--tp-comm-overlap", action="store_true", dest="tp_comm_overlap",
+      help="SP's all-gather / reduce-scatter chunk by chunk behind the GEMMs (needs --sp)")
     g("--cp-variant", choices=CP_VARIANTS, default="ring", help="how attention crosses cp ranks")
+    g("--cp-a2a", type=int, default=None, help="hierarchical cp: Ulysses inside groups of this "
+      "many cp ranks, a ring across the groups")
+    g("--dp-shard", type=int, default=None, help="HSDP: ZeRO shards over this many dp ranks, "
+      "dp/this replicas of each shard (default dp)")
     g("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     g("--schedule", default=None, help="pipeline schedule (1f1b, gpipe, interleaved, zb-h1, ...)")
     g("--microbatches", type=int, default=None, help="default: 2*pp with a pipeline, else 1")
@@ -108,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
 
 # ConfigError's fields -> this command's flags, so a refusal names what to type
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "virtual_pp": "--virtual",
-         "sequence_parallel": "--sp", "cp_variant": "--cp-variant", "seq_len": "--seq",
+         "sequence_parallel": "--sp", "tp_comm_overlap": "--tp-comm-overlap", "cp_variant": "--cp-variant", "seq_len": "--seq",
+         "dp_shard": "--dp-shard", "cp_a2a": "--cp-a2a", "zero": "--zero",
          "hidden": "--hidden", "n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
          "norm": "--norm", "activation": "--activation", "position": "--position",
          "dropout": "--dropout", "recompute": "--recompute", "n_experts": "--experts", "topk": "--topk",
@@ -137,7 +144,8 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     mcfg = model_config(args)
     pcfg = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                           virtual_pp=args.virtual, sequence_parallel=args.sp,
-                          cp_variant=args.cp_variant)
+                          cp_variant=args.cp_variant, tp_comm_overlap=args.tp_comm_overlap,
+                          dp_shard=args.dp_shard, cp_a2a=args.cp_a2a)
     pcfg.validate(model=mcfg, seq_len=args.seq)
     if args.schedule and args.pp == 1 and args.virtual == 1:
         raise UsageError(f"--schedule {args.schedule} needs a pipeline: add --pp 2 (or more)")

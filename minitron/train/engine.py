@@ -71,9 +71,6 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:
     """Why a run of this grid and model cannot be in `dtype` (and be compared with one device),
     or None. One rule, so that every refusal names the same dtypes that work."""
-    if mcfg.n_experts and dtype in SIXTEEN_BIT:
-        return ("a 16-bit router's top-k choice flips on the rounding differences between the two "
-                "sides (a discontinuity no tolerance covers)")
     if dtype == torch.float64 and uses_engine(pcfg, zero, dtype):
         return ("the data-parallel engine (dp > 1, ep > 1 or a ZeRO stage) steps float32 master "
                 "weights (ZeroOptimizer)")
@@ -94,12 +91,17 @@ def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
         works = [name for name, d in DTYPES.items() if not dtype_refusal(pcfg, mcfg, d, zero)]
         raise ConfigError("{dtype}: %s" % why, {"dtype": str(dtype).removeprefix("torch.")},
                           [{"dtype": name} for name in works])
+    if pcfg.dp_replicate > 1 and not zero:
+        raise ConfigError("{dp_shard} shards ZeRO's state over dp_shard of the {dp} ranks, but "
+                          "{zero} shards nothing", {"dp_shard": pcfg.dp // pcfg.dp_replicate, "dp": pcfg.dp,
+                                                    "zero": zero or 0},
+                          [{"zero": 1}, {"zero": 3}, {"dp_shard": pcfg.dp}])
     if not uses_engine(pcfg, zero, dtype):
         return
     refusals = [
-        (zero == 3 and mcfg.tie_embeddings, "ZeRO-3 gathers the embedding for its own forward "
-                                            "only, a tied output layer reuses it later: untie "
-                                            "the embeddings (drop --tie) or use ZeRO 0-2"),
+        (zero == 3 and mcfg.tie_embeddings and schedule is not None,
+         "ZeRO-3 holds a tied embedding gathered through each micro-batch; inside pipeline "
+         "stages its two uses sit on other stages or interleave: drop --tie, use ZeRO 0-2 or --pp 1"),
         (dtype == torch.float16 and schedule is not None, "the pipeline executor takes no loss "
                                                           "scale: use bfloat16 with a pipeline"),
     ]

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from ..context_parallel import shard_sequence, unshard_sequence
-from ..data_parallel import DataParallel, local_rows
+from ..data_parallel import DataParallel
 from ..pipeline.executor import collect_outputs, run_schedule
 from ..runtime import comm
 
@@ -88,9 +88,17 @@ def parallel_step(model, tokens, targets, step_seed: int, hooks: StepHooks = NO_
 
 
 def replica_rows(batch: int, grid) -> slice:
-    """This replica's rows of the global batch: split over dp x ep, the ranks of grid.ep_dp in
-    its order (data_parallel.local_rows); cp ranks share their rows and split the sequences."""
-    return local_rows(batch, grid)
+    """This replica's rows of the global batch. Rows are split over the replicas that see
+    different sequences, dp x ep (the ranks of grid.ep_dp, in its order): replica d of n takes
+    rows [d*B/n, (d+1)*B/n). Context-parallel ranks share their rows and split each sequence
+    instead (context_parallel/). Reads only grid.config and grid.coords."""
+    ep, dp = grid.config.ep, grid.config.dp
+    n, d = ep * dp, grid.coords["ep"] + ep * grid.coords["dp"]
+    if batch % n:
+        raise ValueError(f"global batch {batch} is not divisible by the {n} data-parallel "
+                         f"replicas (dp x ep): use a multiple of {n}")
+    b = batch // n
+    return slice(d * b, (d + 1) * b)
 
 
 def _unpipelined(model, engine, hooks, tokens, targets, step_seed, first, microbatches,

@@ -62,7 +62,10 @@ sequence parallelism is required). Expert-parallel ranks are data-parallel repli
 dense layers, so they run through the data-parallel engine on their own rows (dp x ep of
 them): dense gradients averaged over dense_dp, expert gradients summed over dp_cp. The loss
 includes the routers' auxiliary losses on both sides; a `moe drops` row per step checks that a
-capacity factor dropped exactly the reference's (token, expert) pairs.
+capacity factor dropped exactly the reference's (token, expert) pairs. In 16 bits a `moe routing`
+row counts the (token, expert) choices that differ between the sides (a rounding flip of a top-k
+is a discontinuity no tolerance covers); `--reference-routing` makes the split model take the
+reference's choices, so the rest is compared at the 16-bit tolerance (routing.py).
 
 `--cp C` cuts every sequence of the batch into 2C chunks and gives cp rank r chunks r and
 2C-1-r (zigzag: equal causal work, minitron/context_parallel); attention reaches the other
@@ -74,7 +77,7 @@ on its chunks of each micro-batch, and stages exchange s/cp tokens. Not yet with
 dtypes.
 
 run.py launches the ranks (verify()), steps.py is each rank's step of both sides, checks.py the
-tolerances and rows, plants.py the planted bugs that show a check can fail, compare.py the
+tolerances and rows, routing.py the routers' choices, plants.py the planted bugs that show a check can fail, compare.py the
 relative-error helpers the tests and lessons share, cli.py the command line.
 """
 from .checks import Report, Row

@@ -217,9 +217,10 @@ def replica_groups(rule: Rule, tied_across_stages: bool = False, over_dp: bool =
     A pipeline's tied word embedding, when the first and the last stage are on different ranks
     (both hold a copy: pipeline/partition.py), is replicated over the "embedding"
     group. over_dp=False leaves dp out: tensors rebuilt from ZeRO shards (data_parallel.checks)
-    are equal over dp by construction, so comparing them there would check nothing.
+    are equal over their shard group by construction, so comparing them there would check
+    nothing; across dp_replicate (HSDP) each copy is rebuilt apart, and compared.
     """
-    groups = ["dp", "cp"] if over_dp else ["cp"]
+    groups = ["dp", "cp"] if over_dp else ["dp_replicate", "cp"]   # HSDP: rebuilt per shard group
     if over_dp and not rule.experts:   # an ep rank is a data-parallel replica of dense layers
         groups.append("ep")
     if rule.dim is None:

@@ -10,6 +10,8 @@ import torch
 from ..grid import CP_VARIANTS, ParallelConfig, validate_model
 from ..model.config import CHOICES, ConfigError, ModelConfig, check_adamw
 from ..model.fused import enable_kernels
+from ..moe.expert_layout import EXPERT_LAYOUTS
+from ..runtime import placement
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
@@ -22,6 +24,7 @@ from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 EXAMPLES = """examples:
   python -m minitron.verify --tp 2 --sp
   python -m minitron.verify --tp 2 --sp --norm rmsnorm --activation swiglu --position rope --kv-heads 2
+  python -m minitron.verify --tp 2 --sp --tp-comm-overlap   SP's comm behind the GEMMs
   python -m minitron.verify --tp 2 --sp --kernels      fused Triton kernels and FusedAdamW
   python -m minitron.verify --tp 1 --cp 2              ring attention over 2 ranks (zigzag chunks)
   python -m minitron.verify --tp 2 --sp --cp 2 --cp-variant ulysses
@@ -33,12 +36,17 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --dp 2               data parallel: each replica its rows
   python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 Megatron's distributed optimizer
   python -m minitron.verify --tp 1 --dp 4 --zero 3      parameters sharded too
+  python -m minitron.verify --tp 1 --dp 4 --dp-shard 2 --zero 3   HSDP: sharded in pairs, 2 replicas
+  python -m minitron.verify --tp 1 --cp 4 --cp-variant hierarchical --cp-a2a 2   Ulysses in pairs, ring across
   python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4   ZeRO-3 in stages
   python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
   python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
   python -m minitron.verify --ep 2 --dp 2 --experts 4
+  python -m minitron.verify --ep 2 --experts 4 --dtype bfloat16 --reference-routing
+  python -m minitron.verify --tp 8 --dp 2 --gpus-per-node 4 --explain   which groups leave a node
+  python -m minitron.verify --tp 2 --cp 2 --ep 2 --explain --expert-layout megatron-core --expert-tp 1
 
 exit status: 0 PASS, 1 FAIL, 2 bad options"""
 
@@ -56,14 +64,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 # ConfigError's fields -> this command's flags, so a refusal names what to type
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "virtual_pp": "--virtual",
-         "sequence_parallel": "--sp", "cp_variant": "--cp-variant", "vocab_size": "--vocab",
+         "sequence_parallel": "--sp", "tp_comm_overlap": "--tp-comm-overlap", "cp_variant": "--cp-variant", "vocab_size": "--vocab",
+         "dp_shard": "--dp-shard", "cp_a2a": "--cp-a2a", "zero": "--zero",
          "seq_len": "--seq", "hidden": "--hidden", "n_layers": "--layers", "n_heads": "--heads",
          "n_kv_heads": "--kv-heads", "norm": "--norm", "activation": "--activation",
          "position": "--position", "dropout": "--dropout", "recompute": "--recompute",
          "n_experts": "--experts", "topk": "--topk", "moe_every": "--moe-every",
          "capacity_factor": "--capacity-factor", "router_pre_softmax": "--pre-softmax",
          "aux_loss_coeff": "--aux-loss", "z_loss_coeff": "--z-loss", "lr": "--lr", "eps": "--eps",
-         "dtype": "--dtype"}
+         "dtype": "--dtype", "expert_tp": "--expert-tp", "expert_layout": "--expert-layout"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default 2; 1 with --ep > 1)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1)")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="SP's all-gather / reduce-scatter chunk by chunk behind the GEMMs (needs --sp)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages' ranks)")
     g.add_argument("--virtual", type=int, default=1, dest="virtual_pp",
                    help="model chunks (stages) per pipeline rank: interleaved schedules")
@@ -85,8 +96,12 @@ def _parser() -> argparse.ArgumentParser:
                    "over cp ranks (2*cp zigzag chunks)")
     g.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring",
                    help="how attention reaches the other cp ranks' keys and values")
+    g.add_argument("--cp-a2a", type=int, default=None, help="--cp-variant hierarchical: Ulysses "
+                   "inside groups of this many cp ranks, a ring across the groups")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size: replicas, each on its "
                    "own rows of the batch")
+    g.add_argument("--dp-shard", type=int, default=None, help="HSDP: ZeRO shards over this many dp "
+                   "ranks, dp/this replicas of each shard (default dp; needs --zero 1-3)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage of the data-parallel engine (default: 0 where one runs)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size: the experts of each "
@@ -113,6 +128,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="every combination of tp, pp, dp, cp, ep in {1, 2} on at most 8 ranks, one "
                         "row each (minitron/verify/matrix.py); the other options are ignored")
     r.add_argument("--quick", action="store_true", help="with --matrix: a representative subset")
+    r.add_argument("--explain", action="store_true",
+                   help="print each group kind's ranks and whether it stays inside a node "
+                        "(minitron/runtime/placement.py), then exit without starting ranks")
+    r.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="minitron",
+                   help="with --explain: also the expert groups of this layout (megatron-core: "
+                        "minitron/moe/expert_layout.py); the runs use minitron's")
+    r.add_argument("--expert-tp", type=_positive, default=None,
+                   help="with --explain --expert-layout megatron-core: the experts' own tp size "
+                        "(default --tp)")
+    r.add_argument("--gpus-per-node", type=_positive, default=8,
+                   help="devices per node, for --explain and the warning when a tp group spans nodes")
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--hidden", type=int, default=64)
@@ -135,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
                         "default dropless")
     e.add_argument("--pre-softmax", action="store_true", help="softmax over all experts, then top-k")
     e.add_argument("--aux-loss", type=float, default=0.01, help="Switch load-balancing coefficient")
+    e.add_argument("--reference-routing", action="store_true",
+                   help="the split model's routers take the reference's (token, expert) choices, "
+                        "so a rounding flip of a top-k (16-bit) does not end the comparison; "
+                        "without it a 16-bit run counts the choices that differ "
+                        "(minitron/verify/routing.py)")
     e.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss coefficient")
     return p
 
@@ -152,10 +183,20 @@ def main(argv: list[str] | None = None) -> int:
         tp = args.tp if args.tp is not None else (1 if args.ep > 1 else 2)
         pcfg = ParallelConfig(tp=tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                               virtual_pp=args.virtual_pp, sequence_parallel=args.sp,
-                              cp_variant=args.cp_variant)
+                              cp_variant=args.cp_variant, gpus_per_node=args.gpus_per_node,
+                              tp_comm_overlap=args.tp_comm_overlap,
+                              dp_shard=args.dp_shard, cp_a2a=args.cp_a2a)
         sched = resolve_schedule(pcfg, args.schedule, args.microbatches)
         if sched is not None:
             pcfg = dataclasses.replace(pcfg, virtual_pp=sched.virtual)
+        if placement.tp_warning(pcfg):
+            print(f"warning: {placement.tp_warning(pcfg)}", file=sys.stderr)
+        if not args.explain and (args.expert_layout != "minitron" or args.expert_tp is not None):
+            raise ValueError("--expert-layout and --expert-tp are shown by --explain; the runs "
+                             "use minitron's layout: add --explain or drop them")
+        if args.explain:
+            print(placement.explain(pcfg, args.expert_layout, args.expert_tp))
+            return 0
         batch = split_batch(args.batch, pcfg, sched, "--batch")
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
                            n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
@@ -169,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         Plant(args.plant)
         dtype = getattr(torch, args.dtype)
         check_supported(pcfg, mcfg, dtype, args.zero, sched)
-        check_comparable(mcfg, sched)
+        check_comparable(mcfg, sched, dtype, args.reference_routing)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
             check_kernels_dtype(dtype)
@@ -186,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
           f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")
     report = verify(pcfg, mcfg, args.steps, dtype=dtype, seed=args.seed, lr=args.lr, eps=args.eps,
                     batch=batch, plant=args.plant, schedule=args.schedule,
-                    microbatches=args.microbatches, zero=args.zero)
+                    microbatches=args.microbatches, zero=args.zero,
+                    reference_routing=args.reference_routing)
     print(report.table())
     print(report.verdict())
     return 0 if report.passed else 1

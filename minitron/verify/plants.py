@@ -4,7 +4,8 @@
 Each plant breaks one thing at one point of a step and should be caught by exactly one kind of
 row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
 tensor's update, or in one logit; in the pipeline executor, a gradient delivered to the wrong
-stage or a W dropped; in an MoE layer, a wrong split size or an unpermute off by one.
+stage or a W dropped; in an MoE layer, a wrong split size, an unpermute off by one or a
+token sent to the wrong expert.
 """
 from __future__ import annotations
 
@@ -33,14 +34,20 @@ PLANTS = {
     "zero-gather": "ZeRO 1/2: the updated shards are never all-gathered (each rank keeps only the "
                    "update of the shard it owns); ZeRO-3: a unit's gather refreshes only this "
                    "rank's shard, the others' pieces stay as first gathered",
+    "hsdp-no-replicate": "hybrid sharding (dp_shard < dp): the gradient shards are never "
+                         "all-reduced across dp_replicate (each copy keeps its shard group's sum)",
     "cp-no-rescale": "context parallel: attention blocks summed as they come, without the "
                      "exp(lse_block - lse) rescale",
     "cp-chunk-order": "context parallel: the batch cut into contiguous chunks while positions, "
                       "masks and the gather back assume zigzag (a wrong chunk order)",
     "moe-split": "experts: the grouped matmul's split sizes are off: one row of each rank's first "
                  "local expert is run by the next (minitron/moe/dispatch.py)",
+    "tp-overlap-chunk": "--tp-comm-overlap: the ring all-gather files each chunk it receives "
+                        "under the wrong rank (minitron/tensor_parallel/overlap.py)",
     "moe-unpermute": "experts: undoing the regrouping is off by one row, so expert outputs return "
                      "to the wrong tokens",
+    "moe-route": "experts: each rank sends its first token's first choice to an expert the router "
+                 "did not choose (a token sent to the wrong expert)",
 }
 
 
@@ -80,7 +87,12 @@ class Plant(StepHooks):
         return found
 
     def install(self, model) -> None:
-        """Put a dispatch fault into every MoE layer of `model` (moe-* plants)."""
+        """Put a dispatch fault into every MoE layer of `model` (moe-* plants), or the ring's
+        wrong chunk into overlap.py (reset by every run: a pool's ranks outlive one)."""
+        from ..tensor_parallel import overlap
+        overlap.plant_wrong_chunk(self.kind == "tp-overlap-chunk")
+        if self.kind == "tp-overlap-chunk" and not model.grid.tp_comm_overlap:
+            raise ValueError("plant tp-overlap-chunk needs --tp-comm-overlap (with --sp)")
         if not self.kind.startswith("moe-"):
             return
         layers = [m for m in model.modules() if hasattr(m, "dispatcher")]
@@ -142,6 +154,11 @@ class Plant(StepHooks):
     def engine(self, engine) -> None:
         if self.kind == "dp-bucket":
             _never_reduce_bucket(engine, 1)
+        elif self.kind == "hsdp-no-replicate":
+            if engine.replicas.size == 1:
+                raise ValueError("plant hsdp-no-replicate skips the all-reduce across replicas: "
+                                 "needs --dp-shard below --dp (and --zero 1, 2 or 3)")
+            engine.sync_replicas = lambda shard: None
         elif self.kind == "zero-gather":
             if isinstance(engine, ZeroStage3):
                 for unit in engine.units:

@@ -9,7 +9,7 @@ from ..grid import ParallelConfig, validate_model
 from ..model.config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..runtime.launch import DEFAULT_TIMEOUT, launch
-from ..train.engine import check_supported, resolve_schedule
+from ..train.engine import SIXTEEN_BIT, check_supported, resolve_schedule
 from .checks import Report
 from .plants import Plant
 from .steps import run_rank
@@ -19,7 +19,8 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
            dtype: torch.dtype = torch.float32, seed: int = 0, lr: float = 1e-4, eps: float = 1e-6,
            batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
            plant: str | None = None, schedule: str | None = None,
-           microbatches: int | None = None, zero: int | None = None) -> Report:
+           microbatches: int | None = None, zero: int | None = None,
+           reference_routing: bool = False) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
@@ -27,7 +28,9 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     `batch` defaults to one sample per micro-batch (2 without a pipeline), per dp replica.
     `zero` (0-3; dp > 1 and 16-bit dtypes too) steps through a data-parallel engine.
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
-    (see enable_kernels).
+    (see enable_kernels). `reference_routing`: the split model's routers take the reference's
+    (token, expert) choices, so a 16-bit rounding flip of a top-k does not end the comparison
+    (verify/routing.py).
     """
     check_adamw(lr, eps)
     sched = resolve_schedule(parallel_config, schedule, microbatches)
@@ -35,7 +38,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
     check_supported(parallel_config, model_config, dtype, zero, sched)
-    check_comparable(model_config, sched)
+    check_comparable(model_config, sched, dtype, reference_routing)
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
@@ -48,12 +51,21 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
-                  plant, sched, zero, world_size=parallel_config.world_size, timeout=timeout)[0]
+                  plant, sched, zero, reference_routing, world_size=parallel_config.world_size,
+                  timeout=timeout)[0]
     return Report(rows)
 
 
-def check_comparable(mcfg: ModelConfig, sched) -> None:
+def check_comparable(mcfg: ModelConfig, sched, dtype: torch.dtype = torch.float32,
+                     reference_routing: bool = False) -> None:
     """What the engine runs but verify cannot compare with one device (ValueError)."""
+    if reference_routing and not mcfg.n_experts:
+        raise ValueError("--reference-routing imposes the reference's expert choices: it needs "
+                         "--experts N (N > 0)")
+    if mcfg.n_experts and sched is not None and (reference_routing or dtype in SIXTEEN_BIT):
+        raise ValueError("16-bit experts inside pipeline stages: verify aligns the routers' "
+                         "choices of the whole batch, not micro-batch by micro-batch, so a "
+                         "rounding flip of a top-k cannot be told from a bug: use --pp 1 or float32")
     if mcfg.capacity_factor is not None and sched is not None:
         raise ValueError("a capacity factor inside pipeline stages drops tokens micro-batch by "
                          "micro-batch, and verify compares the drops of the whole batch: use "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..context_parallel import unshard_sequence
 from ..data_parallel.precision import MasterWeightsAdamW, tolerance16
 from ..grid import ParallelConfig
 from ..model.config import ModelConfig
@@ -24,6 +23,7 @@ from ..model.reference import GPT
 from ..runtime import comm
 from ..train.engine import SIXTEEN_BIT, TrainingRun
 from .checks import Row, float32_tolerance, grad_rows, replica_rows, sum_rows, update_rows
+from . import routing
 from .plants import Plant
 
 BUCKET_NUMEL = 4096       # small: even the tiny default model fills several buckets
@@ -95,11 +95,7 @@ def _from_rank0(tensors: dict, grid) -> dict:
 
 def _gather_kept(layer, grid, batch: int) -> torch.Tensor:
     """An MoE layer's kept (token, choice) pairs of the whole batch, [b, s, k] (collective)."""
-    keep = layer.routing.keep.view(batch // grid.ep_dp.size, -1, layer.cfg.topk).to(torch.uint8)
-    if grid.sequence_parallel:
-        keep = comm.all_gather(keep, grid.tp, dim=1)
-    keep = unshard_sequence(keep, grid.cp)          # this cp rank's chunks back in token order
-    return comm.all_gather(keep, grid.ep_dp, dim=0).bool()
+    return routing.gather_pairs(layer.routing.keep.to(torch.uint8), grid, batch).bool()
 
 
 def drop_rows(step: int, kept: list[torch.Tensor], ref, shape) -> list[Row]:
@@ -116,13 +112,14 @@ def drop_rows(step: int, kept: list[torch.Tensor], ref, shape) -> list[Row]:
 def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.dtype = torch.float32,
              seed: int = 0, lr: float = 1e-4, eps: float = 1e-6, batch: int = 2,
              seq: int | None = None, plant: str | None = None, schedule=None,
-             zero: int | None = None) -> list[Row] | None:
+             zero: int | None = None, reference_routing: bool = False) -> list[Row] | None:
     """The body every rank runs; rank 0 also runs the reference and returns the rows.
 
     `schedule` (a pipeline Schedule, see train.engine.resolve_schedule): the model is cut into
     its stages and every step runs it with the pipeline executor; the batch is cut into its
     micro-batches. `zero` (0-3), dp or ep > 1 or a 16-bit dtype: a data-parallel engine
-    (train/engine.py). `plant` (tests only, see plants.PLANTS) puts a deliberate error in."""
+    (train/engine.py). `plant` (tests only, see plants.PLANTS) puts a deliberate error in.
+    `reference_routing`: the split model's routers take the reference's choices (routing.py)."""
     seq, planted = seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
     run = TrainingRun(mcfg, pcfg, schedule=schedule, zero_stage=zero, dtype=dtype, lr=lr, eps=eps,
@@ -139,12 +136,24 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     ref_opt = (MasterWeightsAdamW(ref, lr=lr, eps=eps) if sixteen
                else torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps, weight_decay=WEIGHT_DECAY))
     tol = tolerance16(dtype) if sixteen else float32_tolerance(mcfg, batch, seq)
+    # which choices the routers made, against the reference's: 16-bit experts or imposed choices
+    count_choices = bool(mcfg.n_experts) and (sixteen or reference_routing) and run.schedule is None
     rows: list[Row] = []
     for step in range(steps):
         tokens, targets = (t.to(grid.device) for t in make_batch(step, seed, batch, seq, mcfg.vocab_size))
         step_seed = seed * 1_000 + step       # each step's dropout masks, on both sides
+        scale = run.loss_scale if run.scaler is None else run.scaler.scale   # this step's
+        per_microbatch = run.schedule is not None and mcfg.n_experts   # the routers' losses
+
+        def reference():
+            return reference_step(ref, tokens, targets, step_seed, loss_scale=scale,
+                                  microbatches=run.schedule.microbatches if per_microbatch else 1,
+                                  replicas=grid.ep_dp.size)
+        ref_out = None
+        if reference_routing:     # the reference first: its routers' choices go to the split side
+            ref_out = reference() if lead else None
+            routing.impose(model, routing.share_reference_choices(ref, model, grid, tokens.shape), grid)
         out = run.forward_backward(tokens, targets, step_seed, keep_outputs=True)
-        scale = run.loss_scale
         # Gather what rank 0 compares (collectives: every rank takes part).
         full_logits = planted.logits(out.logits)
         local_grads = run.grads()
@@ -154,12 +163,13 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         # which (token, expert) pairs a capacity factor dropped: whole-batch routing, no pipeline
         kept = [_gather_kept(m, grid, tokens.shape[0]) for m in model.moe_layers()] \
             if run.schedule is None else []
+        layers = model.moe_layers() if count_choices else []
+        used = [routing.gather_pairs(m.routing.experts, grid, tokens.shape[0]) for m in layers]
+        own = [routing.gather_pairs(m.routing.own, grid, tokens.shape[0]) for m in layers] \
+            if reference_routing else None
         if lead:
-            per_microbatch = run.schedule is not None and mcfg.n_experts   # the routers' losses
-            ref_x, ref_logits, ref_loss = reference_step(
-                ref, tokens, targets, step_seed, loss_scale=scale,
-                microbatches=run.schedule.microbatches if per_microbatch else 1,
-                replicas=grid.ep_dp.size)
+            ref_x, ref_logits, ref_loss = ref_out or reference()
+            rows += routing.routing_rows(step, used, own, ref, tokens.shape) if count_choices else []
             rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (out.loss, ref_loss),
                                     "dL/dX": (out.dx, ref_x.grad)}, tol)
             rows += drop_rows(step, kept, ref, tokens.shape)

@@ -1,0 +1,230 @@
+"""Sequence parallelism's all-gather and reduce-scatter hidden behind the GEMMs that need them.
+
+Plain SP (layers.py) gathers the whole sequence, then multiplies: the column-parallel GEMM
+cannot start until the last byte has arrived, and the row-parallel GEMM's reduce-scatter cannot
+start until the whole GEMM has finished. The "collective matmul" (Wang et al. 2022, what
+torchtitan's async TP and Transformer Engine's userbuffers do) cuts both into the n sequence
+chunks the ranks hold and passes the chunks around a ring, one neighbour at a time, so that
+every message travels while a GEMM on a chunk that has already arrived runs:
+
+  all-gather + GEMM (column layer, x_j = rank j's tokens), rank r at step k = 0 .. n-1:
+      start: send the chunk held to rank r+1, receive the next from rank r-1  (k < n-1)
+      GEMM:  y[chunk (r-k) mod n] = x_(r-k) W^T                           <- the message flies
+      wait for the message; it is the chunk for step k+1
+
+  GEMM + reduce-scatter (row layer, P_r = this rank's partial sums), rank r at step k:
+      GEMM:  p = P_r[chunk c] with c = (r+k+1) mod n                      <- step k-1's message flies
+      wait:  p += the running sum for chunk c that rank r+1 sent at step k-1
+      start: send p to rank r-1 (k < n-1); at k = n-1, c = r and p is the full sum of our chunk
+
+Backward swaps them (the adjoint of an all-gather is a reduce-scatter): the column layer's
+dL/dx is a GEMM + reduce-scatter, the row layer's gathers dL/dy chunk by chunk behind the
+dL/dx and dL/dW GEMMs. n-1 messages of one chunk each: (n-1)/n of the full tensor, exactly the
+wire bytes of the ring all-gather or reduce-scatter they replace (minitron.runtime.comm counts
+them as send/recv). Only the order of the floating-point sums differs from plain SP.
+
+The messages go through comm_async.exchange; a `recording()` block collects each GEMM chunk
+and each message as (kind, label, start, end) on time.perf_counter's clock: the timeline
+python -m minitron.bench overlap --tp 2 draws.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime import comm_async
+from ..runtime.comm import P2P, Group
+from .mappings import SEQ_DIM
+from .weight_grad import STORE, _accumulate
+
+# ---- the measured timeline -------------------------------------------------------------
+_recorders: list[list[tuple[str, str, float, float]]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, str, float, float]]]:
+    """`with recording() as events:` collects ("gemm" | "comm", label, start, end) per chunk."""
+    events: list[tuple[str, str, float, float]] = []
+    _recorders.append(events)
+    try:
+        yield events
+    finally:
+        _recorders.remove(events)
+
+
+def _record(kind: str, label: str, start: float, end: float) -> None:
+    for events in _recorders:
+        events.append((kind, label, start, end))
+
+
+@contextlib.contextmanager
+def _gemm(label: str):
+    t0 = time.perf_counter()
+    yield
+    _record("gemm", label, t0, time.perf_counter())
+
+
+def _wait(pending: comm_async.Pending, label: str) -> None:
+    pending.wait()
+    _record("comm", label, pending.started, pending.finished)
+
+
+# ---- a planted bug (tests, python -m minitron.verify --plant tp-overlap-chunk) ------------
+PLANTED = {"wrong_chunk": False}   # ring_gather files each chunk under the sender's neighbour
+
+
+def plant_wrong_chunk(on: bool) -> None:
+    PLANTED["wrong_chunk"] = bool(on)
+
+
+# ---- the two rings (no autograd: forward and backward both call them) --------------------
+def _chunk(t: torch.Tensor, i: int, size: int) -> torch.Tensor:
+    return t.narrow(SEQ_DIM, i * size, size)
+
+
+def ring_gather(x: torch.Tensor, group: Group, compute: Callable[[int, torch.Tensor], None],
+                what: str) -> None:
+    """Pass the sequence chunks around the ring; compute(j, x_j) runs on each chunk (rank j's)
+    while the next one travels. Every rank sees every chunk once, its own first."""
+    n, r = group.size, group.rank
+    held = x.contiguous()
+    for k in range(n):
+        pending = None
+        if k < n - 1:
+            incoming = torch.empty_like(held)
+            pending = comm_async.exchange([P2P("send", held, (r + 1) % n),
+                                           P2P("recv", incoming, (r - 1) % n)], group)
+        source = (r - k - 1 if PLANTED["wrong_chunk"] else r - k) % n   # who sent it first
+        with _gemm(f"{what} chunk {k}"):
+            compute(source, held)
+        if pending is not None:
+            _wait(pending, f"{what} message {k}")
+            held = incoming
+
+
+def ring_reduce_scatter(partial: Callable[[int], torch.Tensor], group: Group,
+                        what: str) -> torch.Tensor:
+    """sum over ranks of partial(c), for this rank's chunk c only: each rank adds its partial
+    for chunk c to the running sum its right neighbour sent, computing the next partial while
+    that sum travels. Returns the full sum of chunk `group.rank`."""
+    n, r = group.size, group.rank
+    pending = running = incoming = None
+    for k in range(n):
+        c = (r + k + 1) % n
+        with _gemm(f"{what} chunk {k}"):
+            p = partial(c)
+        if pending is not None:
+            _wait(pending, f"{what} message {k - 1}")
+            p = p + incoming
+        if k < n - 1:
+            running, incoming = p.contiguous(), torch.empty_like(p, memory_format=torch.contiguous_format)
+            pending = comm_async.exchange([P2P("send", running, (r - 1) % n),
+                                           P2P("recv", incoming, (r + 1) % n)], group)
+    return p
+
+
+# ---- dL/dW now, or queued for a zero-bubble schedule's W pass (weight_grad.py) -----------
+def _deferring(ctx) -> bool:
+    return ctx.deferrable and STORE.key is not None
+
+
+def _weight_grad_now(ctx, weight: torch.Tensor) -> torch.Tensor | None:
+    """A zero buffer the ring accumulates dL/dW into, chunk by chunk; None when it is deferred
+    or not wanted (a frozen weight)."""
+    return torch.zeros_like(weight) if ctx.needs_input_grad[1] and not _deferring(ctx) else None
+
+
+def _defer(weight: torch.Tensor, compute: Callable[[], torch.Tensor], nbytes: int) -> None:
+    @torch.no_grad()
+    def weight_grad():
+        _accumulate(weight, compute())
+    STORE.put(weight_grad, nbytes)
+    STORE.waiting[weight] = STORE.waiting.get(weight, 0) + 1
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+# ---- the autograd functions ----------------------------------------------------------------
+class _AllGatherMatmul(torch.autograd.Function):
+    """y = all_gather_seq(x) W^T, the gather chunk by chunk behind the GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        n, size = group.size, x.shape[SEQ_DIM]
+        chunks, outs = [None] * n, [None] * n
+
+        def gemm(j, xj):
+            chunks[j], outs[j] = xj, F.linear(xj, weight)
+        ring_gather(x, group, gemm, "all-gather x")
+        ctx.group, ctx.size, ctx.deferrable = group, size, STORE.capturing
+        ctx.weight = weight
+        x_full = torch.cat(chunks, dim=SEQ_DIM)     # kept for dL/dW, as plain SP's F.linear does
+        ctx.save_for_backward(x_full, weight)
+        return torch.cat(outs, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_full, weight = ctx.saved_tensors
+        size, defer = ctx.size, _deferring(ctx) and ctx.needs_input_grad[1]
+        dw = _weight_grad_now(ctx, weight)
+
+        def partial(c):                  # this rank's share of dL/dx for chunk c (and of dL/dW)
+            dyc = _chunk(dy, c, size)
+            if dw is not None:
+                dw.add_(_flat(dyc).t() @ _flat(_chunk(x_full, c, size)))
+            return dyc @ weight
+        dx = ring_reduce_scatter(partial, ctx.group, "reduce-scatter dL/dx")
+        if defer:
+            _defer(ctx.weight, lambda: _flat(dy).t() @ _flat(x_full), dy.numel() * dy.element_size())
+        return dx, dw, None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    """y = reduce_scatter_seq(x W^T), the reduce-scatter chunk by chunk behind the GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        n = group.size
+        if x.shape[SEQ_DIM] % n:
+            raise ValueError(f"the sequence of {x.shape[SEQ_DIM]} tokens does not split into "
+                             f"tp={n} equal chunks: use a multiple of {n}")
+        size = x.shape[SEQ_DIM] // n
+        ctx.group, ctx.size, ctx.deferrable = group, size, STORE.capturing
+        ctx.weight = weight
+        ctx.save_for_backward(x, weight)
+        return ring_reduce_scatter(lambda c: F.linear(_chunk(x, c, size), weight), group,
+                                   "reduce-scatter y")
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        n, size, defer = ctx.group.size, ctx.size, _deferring(ctx) and ctx.needs_input_grad[1]
+        dw = _weight_grad_now(ctx, weight)
+        dxs, dys = [None] * n, [None] * n
+
+        def gemm(j, dyj):
+            dxs[j], dys[j] = dyj @ weight, dyj
+            if dw is not None:
+                dw.add_(_flat(dyj).t() @ _flat(_chunk(x, j, size)))
+        ring_gather(dy, ctx.group, gemm, "all-gather dL/dy")
+        if defer:
+            dy_full = torch.cat(dys, dim=SEQ_DIM)
+            _defer(ctx.weight, lambda: _flat(dy_full).t() @ _flat(x),
+                   dy_full.numel() * dy_full.element_size())
+        return torch.cat(dxs, dim=SEQ_DIM), dw, None
+
+
+def allgather_matmul(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+    """[b, s/n, h] sequence shard -> [b, s, out/n]: a column-parallel GEMM after SP's all-gather."""
+    return F.linear(x, weight) if group.size == 1 else _AllGatherMatmul.apply(x, weight, group)
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+    """[b, s, in/n] -> [b, s/n, out]: a row-parallel GEMM before SP's reduce-scatter."""
+    return F.linear(x, weight) if group.size == 1 else _MatmulReduceScatter.apply(x, weight, group)

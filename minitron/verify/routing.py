@@ -1,0 +1,93 @@
+"""The routers' choices in the comparison: how many (token, expert) choices the split model makes
+differently from the reference, and `--reference-routing`, which makes it take the reference's.
+
+Why it is needed: top-k is a discontinuity. In 16 bits the two sides round every op in
+different places, so two experts whose scores for a token are within a rounding of each other
+can come out in either order, and the token then goes to another expert: its output differs by
+the whole expert's contribution, which no tolerance covers. A float32 run has the same risk,
+only a 2^16 times smaller one.
+
+With --reference-routing each MoE layer of the split model takes the reference's choices for
+its own tokens (moe.router.route(imposed=...)); its gates are still its own router's scores at
+those experts, so everything else (logits, loss, dL/dX, every gradient, the router's included,
+every update) is compared at the usual tolerance of the dtype. One `moe routing` row per step,
+bitwise (tolerance 0):
+  without the flag   (token, expert) pairs chosen on one side and not on the other;
+  with it            pairs the split model used that are not the reference's (0 unless the
+                     imposing is broken), and in the row's name how many of its own top-k
+                     choices differ: the flips the flag stepped over.
+A token's k choices are compared as a set (their order only orders the combine's sum).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..context_parallel import shard_sequence, unshard_sequence
+from ..runtime import comm
+from .checks import Row
+
+
+def gather_pairs(local: torch.Tensor, grid, batch: int) -> torch.Tensor:
+    """A per-(token, choice) tensor [n_local, k] of one MoE layer, as the whole batch's
+    [b, s, k] in token order (collective): tp under SP, then cp's chunks, then ep_dp's rows."""
+    pairs = local.view(batch // grid.ep_dp.size, -1, local.shape[-1])
+    if grid.sequence_parallel:
+        pairs = comm.all_gather(pairs.contiguous(), grid.tp, dim=1)
+    pairs = unshard_sequence(pairs, grid.cp)
+    return comm.all_gather(pairs.contiguous(), grid.ep_dp, dim=0)
+
+
+def local_pairs(full: torch.Tensor, grid) -> torch.Tensor:
+    """The inverse of gather_pairs: this rank's [n_local, k] of the batch's [b, s, k]."""
+    rows = full.shape[0] // grid.ep_dp.size
+    mine = full[grid.ep_dp.rank * rows:(grid.ep_dp.rank + 1) * rows]
+    mine = shard_sequence(mine, grid.cp.size, grid.cp.rank)
+    if grid.sequence_parallel:
+        mine = mine.chunk(grid.tp.size, dim=1)[grid.tp.rank]
+    return mine.reshape(-1, full.shape[-1]).contiguous()
+
+
+def share_reference_choices(ref, model, grid, shape) -> list[torch.Tensor]:
+    """Rank 0's reference choices, [b, s, k] per MoE layer, on every rank (one broadcast)."""
+    layers = model.moe_layers()
+    k = layers[0].cfg.topk if layers else 1
+    if grid.rank == 0:
+        stacked = torch.stack([m.routing.experts.view(*shape, k) for m in ref.moe_layers()])
+    else:
+        stacked = torch.empty(len(layers), *shape, k, dtype=torch.int64, device=grid.device)
+    comm.broadcast(stacked, comm.Group("world", range(grid.world_size)), src=0)
+    return list(stacked)
+
+
+def impose(model, choices: list[torch.Tensor] | None, grid) -> None:
+    """Make each MoE layer take these choices (None: its own again)."""
+    for i, layer in enumerate(model.moe_layers()):
+        layer.imposed_experts = None if choices is None else local_pairs(choices[i], grid)
+
+
+def differing(a: torch.Tensor, b: torch.Tensor, n_experts: int) -> int:
+    """(token, expert) pairs chosen in `a` and not in `b` ([..., k] each; as sets per token)."""
+    in_a, in_b = (F.one_hot(t, n_experts).sum(-2) > 0 for t in (a, b))
+    return int((in_a & ~in_b).sum())
+
+
+def routing_rows(step: int, used: list[torch.Tensor], own: list[torch.Tensor] | None, ref,
+                 shape) -> list[Row]:
+    """One row (see the module docstring). `used`: the split model's choices per layer, [b, s, k];
+    `own`: its own top-k where the reference's were imposed, else None."""
+    ref_choices = [m.routing.experts.view(*shape, -1) for m in ref.moe_layers()]
+    if not ref_choices:
+        return []
+    E = ref.cfg.n_experts
+    total = sum(c.numel() for c in ref_choices)
+    differ = sum(differing(u, r, E) for u, r in zip(used, ref_choices))
+    if own is None:
+        detail = (f"{differ} of {total} (token, expert) choices differ from the reference's: a "
+                  "rounding difference flipped a top-k; --reference-routing compares the rest")
+        return [Row(step, f"moe routing ({total} choices)", float(differ), 0.0,
+                    detail if differ else "")]
+    flips = sum(differing(o, r, E) for o, r in zip(own, ref_choices))
+    detail = f"{differ} of {total} choices used by the split model are not the reference's"
+    return [Row(step, f"moe routing (reference's taken; own top-k differs in {flips} of {total})",
+                float(differ), 0.0, detail if differ else "")]
