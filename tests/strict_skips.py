@@ -58,6 +58,7 @@ ALLOWED = {
     r"pipelining has no ScheduleInterleavedZeroBubble": lambda: _pipelining_lacks(
         "ScheduleInterleavedZeroBubble"),
     r"pipelining has no ScheduleZBVZeroBubble": lambda: _pipelining_lacks("ScheduleZBVZeroBubble"),
+    r"pipelining has no ScheduleDualPipeV": lambda: _pipelining_lacks("ScheduleDualPipeV"),
     r"needs selenium": lambda: importlib.util.find_spec("selenium") is None,
     # (not "needs transformers": `make test` installs the hf extra, so tests/test_hf.py skipping
     # means the set-up broke)

@@ -61,8 +61,9 @@ CFG = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=4, n_heads=4, dr
 BATCH = 8
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B",
-                   "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble"}
-MULTI = ("interleaved", "zb-h1", "zb-v")     # torch's schedules that take a list of stages
+                   "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}   # DualPipeV: tests/test_dualpipev.py
+MULTI = ("interleaved", "zb-h1", "zb-v", "dualpipev")   # torch's schedules taking a list of stages
 
 
 class PeerStage(nn.Module):

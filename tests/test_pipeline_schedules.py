@@ -14,7 +14,7 @@ from minitron.pipeline.check import batches
 from minitron.pipeline.simulate import gaps_per_rank, idle_per_rank
 
 VIRTUAL = {"gpipe": (1,), "1f1b": (1,), "interleaved": (1, 2, 3), "zb-h1": (1,), "zb-h2": (1,),
-           "zb-v": (2,)}
+           "zb-v": (2,), "dualpipev": (2,)}
 
 
 def grid(name):

@@ -7,13 +7,16 @@ Stages. The model's layers are cut into pp * virtual equal chunks, numbered 0.. 
 (the embedding lives in stage 0, the final norm, output layer and loss in the last). Each
 chunk is a *stage* and lives on one pipeline rank, given by Schedule.stage_rank:
   plain and interleaved (Megatron)  stage s on rank s % pp          (rank r holds r, r+pp, ...)
-  V-shaped (ZB-V)                   stage s on rank s for s < pp, 2*pp-1-s after (rank r: r, 2pp-1-r)
+  V-shaped (ZB-V, DualPipeV)        stage s on rank s for s < pp, 2*pp-1-s after (rank r: r, 2pp-1-r)
 
 Actions. Compute actions name a micro-batch and a stage:
   F   forward of that stage (the last stage's F includes the loss)
   B   backward for the stage's *input* only (dL/dX); the weight gradients are deferred
   W   the deferred weight gradients of that (micro-batch, stage)
   BW  a full backward: B and W at once (GPipe, 1F1B, interleaved 1F1B)
+An F directly followed by a BW of another micro-batch may be marked *overlapped*
+(Schedule.overlapped, DualPipeV): one unit of work whose two halves hide each other's
+communication on a GPU; the CPU executor runs them one after the other, like torch's runtime.
 Messages between ranks are actions too; `stage` is the stage *on this rank* that produces
 or consumes the tensor, `peer` the pipeline rank at the other end:
   SEND_F  stage s's output, to the rank of stage s+1       RECV_F  stage s's input, from s-1's rank
@@ -65,6 +68,9 @@ class Schedule:
     virtual: int                          # stages (model chunks) per rank
     stage_rank: tuple[int, ...]           # stage -> pipeline rank, len pp * virtual
     actions: dict[int, tuple[Action, ...]]   # pipeline rank -> its actions, in order
+    # pipeline rank -> (F, BW) pairs of two micro-batches that a GPU runs as one, each one's
+    # compute hiding the other's communication (DualPipeV); adjacent in the rank's list
+    overlapped: dict[int, tuple[tuple[Action, Action], ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def n_stages(self) -> int:

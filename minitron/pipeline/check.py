@@ -20,6 +20,9 @@ activation memory. What must hold:
    finishes every list or leaves stuck ranks, which the error lists with what each waits for.
    Since receives come only after their sends' data is made (2.), a finished run proves the
    data dependencies across ranks too (F of s after F of s-1, B of s after B of s+1).
+5. Overlapped pairs (Schedule.overlapped, DualPipeV). Each is an F and a backward (BW or B) of
+   another stage of the same rank, the backward directly after the F with no message between:
+   a GPU runs the two as one unit, so neither may wait for anything the other's start needs.
 
 Memory. A micro-batch's activations on a stage are alive from its F until its W (or BW). On a
 rank holding v stages each chunk is 1/v of a stage, so it counts 1/v: the peak is in units of
@@ -235,9 +238,26 @@ def peak_activations(schedule: Schedule) -> dict[int, Fraction]:
     return peaks
 
 
+def _check_overlapped(schedule: Schedule) -> None:
+    for rank, pairs in schedule.overlapped.items():
+        actions = schedule.actions.get(rank, ())
+        for f, b in pairs:
+            where = f"{schedule.name}: rank {rank}, overlapped pair ({f}, {b})"
+            if f.kind != F or b.kind not in (B, BW) or f.stage == b.stage:
+                raise ScheduleError(f"{where}: must be an F and a backward of another stage")
+            if f not in actions:
+                raise ScheduleError(f"{where}: {f} is not in the rank's actions")
+            i = actions.index(f)
+            if i + 1 >= len(actions) or actions[i + 1] != b:
+                nxt = actions[i + 1] if i + 1 < len(actions) else "nothing"
+                raise ScheduleError(f"{where}: the backward must directly follow the F "
+                                    f"(action {i + 1} is {nxt})")
+
+
 def check(schedule: Schedule) -> CheckReport:
     """Validate `schedule` (see the module docstring) or raise ScheduleError saying where."""
     _check_shape(schedule)
+    _check_overlapped(schedule)
     _check_complete_and_ordered(schedule)
     _check_matched(schedule)
     n_batches = _check_no_deadlock(schedule)

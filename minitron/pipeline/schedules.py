@@ -27,6 +27,9 @@ Bubbles, with p ranks, m micro-batches and a stage's F, B, W costs (BW = B + W):
                m >= 2p-1 (see zb_v) every rank works without a gap from its first action to its
                last; the only idle left is the start-up skew (p-1)F/2 per rank that consecutive
                iterations overlap, with 1F1B's peak of p stage-sized activations.
+  DualPipeV    ZB-V's V with DeepSeek's steady state: pairs of one micro-batch's F and another's
+               BW, run as one overlapped unit (dualpipev.py); its point is what the pair hides
+               (the MoE all-to-all), which simulate(..., overlap=True) shows.
 """
 from __future__ import annotations
 
@@ -45,10 +48,14 @@ def _awaited(a: Action, last: int) -> tuple[str, int, int] | None:
     return None
 
 
-def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]]):
+def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]],
+                   overlapped: dict[int, tuple[tuple[Action, Action], ...]] | None = None):
     """Start and end of every compute action when each runs as soon as its inputs exist
-    (F = B = W = 1, BW = 2, messages free). Raises ValueError if the orders wait on each other."""
+    (F = B = W = 1, BW = 2, messages free). An overlapped (F, BW) pair is one unit: it starts
+    once both inputs exist and both halves end together. Raises ValueError if the orders wait
+    on each other."""
     last, cost = len(stage_rank) - 1, {F: 1, B: 1, W: 1, BW: 2}
+    paired = {r: {f: b for f, b in (overlapped or {}).get(r, ())} for r in compute}
     ready: dict[tuple[str, int, int], int] = {}   # ("F"|"B", mb, stage) -> when made
     times: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
     clock = {r: 0 for r in compute}
@@ -58,14 +65,16 @@ def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]]
         for r, order in compute.items():
             while len(times[r]) < len(order):
                 a = order[len(times[r])]
-                awaited = _awaited(a, last)
-                if awaited is not None and awaited not in ready:
+                unit = [a, paired[r][a]] if a in paired[r] else [a]
+                awaited = [w for w in (_awaited(x, last) for x in unit) if w is not None]
+                if any(w not in ready for w in awaited):
                     break                             # another rank must make it first
-                start = clock[r] if awaited is None else max(clock[r], ready[awaited])
-                clock[r] = start + cost[a.kind]
-                times[r].append((start, clock[r]))
-                if a.kind != W:                       # F hands on its output, B/BW dL/dinput
-                    ready["F" if a.kind == F else "B", a.microbatch, a.stage] = clock[r]
+                start = max([clock[r]] + [ready[w] for w in awaited])
+                clock[r] = start + sum(cost[x.kind] for x in unit)
+                for x in unit:
+                    times[r].append((start, clock[r]))
+                    if x.kind != W:                   # F hands on its output, B/BW dL/dinput
+                        ready["F" if x.kind == F else "B", x.microbatch, x.stage] = clock[r]
                 moved = True
     stuck = {r: str(order[len(times[r])]) for r, order in compute.items() if len(times[r]) < len(order)}
     if stuck:
@@ -74,7 +83,8 @@ def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]]
 
 
 def with_messages(name: str, pp: int, microbatches: int, virtual: int,
-                  stage_rank: tuple[int, ...], compute: dict[int, list[Action]]) -> Schedule:
+                  stage_rank: tuple[int, ...], compute: dict[int, list[Action]],
+                  overlapped: dict[int, tuple[tuple[Action, Action], ...]] | None = None) -> Schedule:
     """Add each rank's sends and receives to its compute order, deadlock-free by construction.
 
     Every message is stamped with the time its tensor is made in an as-soon-as-possible run of
@@ -83,9 +93,11 @@ def with_messages(name: str, pp: int, microbatches: int, virtual: int,
     so every rank posts its messages in one global order. Then no deadlock is possible, even
     under rendezvous: the earliest message not yet posted by both ends is reached by both,
     because everything before it on each end has been matched.
+    An overlapped pair (F, BW) starts and ends as one unit, so no message falls between them:
+    both inputs are received before it, both outputs sent after it.
     """
     last = len(stage_rank) - 1
-    times = _compute_times(stage_rank, compute)
+    times = _compute_times(stage_rank, compute, overlapped)
     made = {(a.kind, a.microbatch, a.stage): end        # when each compute's tensor exists
             for r, order in compute.items() for a, (_, end) in zip(order, times[r])}
     messages: dict[int, list[tuple[tuple, Action]]] = {r: [] for r in compute}
@@ -109,7 +121,8 @@ def with_messages(name: str, pp: int, microbatches: int, virtual: int,
                 out.append(pending.pop(0)[1])
             out.append(a)
         actions[r] = tuple(out + [msg for _, msg in pending])
-    return Schedule(name, pp, microbatches, virtual, tuple(stage_rank), actions)
+    return Schedule(name, pp, microbatches, virtual, tuple(stage_rank), actions,
+                    dict(overlapped or {}))
 
 
 def _validate(name: str, pp: int, microbatches: int, virtual: int, allowed: tuple[int, ...]):
@@ -286,13 +299,17 @@ def zb_h2(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     return with_messages("zb-h2", pp, m, 1, interleaved_placement(pp, 1), order)
 
 
+from .dualpipev import dualpipev  # noqa: E402  (it builds on with_messages above)
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1,
-             "zb-h2": zb_h2, "zb-v": zb_v}
+             "zb-h2": zb_h2, "zb-v": zb_v, "dualpipev": dualpipev}
+V_SHAPED = ("zb-v", "dualpipev")     # two chunks per rank in a V, whatever virtual_pp says
 
 
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int | None = None) -> Schedule:
     """The schedule `name` for pp ranks and `microbatches` micro-batches, validated up front.
-    virtual (stages per rank) defaults to the schedule's own: 2 for interleaved and zb-v, else 1."""
+    virtual (stages per rank) defaults to the schedule's own: 2 for interleaved, zb-v and
+    dualpipev, else 1."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if virtual is None:

@@ -16,7 +16,18 @@ With F = 1, B = W = 1 (so BW = 2), no latency, p ranks and m micro-batches, one 
   ZB-H1           idle per rank (p-1)(F+B-W) instead of (p-1)(F+B+W): 1/3 of 1F1B's at F=B=W
   ZB-H2, ZB-V     each rank busy without a gap from its first action to its last (m >= 2p-1);
                   what is left is the start-up skew: (p-1)F per rank (ZB-H2), (p-1)F/2 (ZB-V)
+  DualPipeV       idle per rank (p-1)(F+B+W)/3 at F=B=W: DeepSeek-V3's Table 2 bubble
+                  (PP/2-1)(F&B+B-3W) with PP = 2p chunk-stages, B a full backward and the pair
+                  F&B = F+B run one after the other (overlap=False); peak p+1/2 (PP+1 chunks)
 Timeline.bubble_fraction and .bubble_ratio give the first two; Timeline's events draw it.
+
+Communication inside a stage (Costs.comm: the MoE all-to-all, dispatch and combine, in each F
+and again in each B or BW; W sends nothing) is time the rank waits unless something hides it.
+With overlap=True an overlapped pair of Schedule.overlapped (DualPipeV's F of one micro-batch
+with the BW of another) costs max(compute of both, communication of both) instead of their
+sum: each one's compute runs while the other's all-to-all is in flight, as DeepSeek's kernels
+do on a GPU (communication on its own SMs). The CPU executor cannot: gloo's collectives block
+the one thread that also computes, so it runs the pair one half after the other.
 """
 from __future__ import annotations
 
@@ -24,40 +35,60 @@ import dataclasses
 from fractions import Fraction
 from numbers import Rational
 
-from .actions import B, BW, F, W, Event, Schedule, Timeline
+from .actions import B, BW, F, W, Action, Event, Schedule, Timeline
 from .check import _match_key, batches, check
 
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Time of one stage's F, B and W for one micro-batch, and of one message in flight."""
+    """Time of one stage's F, B and W for one micro-batch, and of one message in flight;
+    comm: the communication inside one stage's F, and again inside its B (the MoE all-to-all),
+    on top of their compute."""
     F: float = 1
     B: float = 1
     W: float = 1
     latency: float = 0
+    comm: float = 0
 
     def __post_init__(self):
-        for name in ("F", "B", "W", "latency"):
+        for name in ("F", "B", "W", "latency", "comm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)}")
         if self.F + self.B + self.W <= 0:
             raise ValueError("Costs: F + B + W must be positive")
 
+    def parts(self, kind: str, chunks_per_rank: int):
+        """(compute, communication) of one action on a rank holding `chunks_per_rank` stages
+        (exact for integers)."""
+        compute = {F: self.F, B: self.B, W: self.W, BW: self.B + self.W}[kind]
+        comm = 0 if kind == W else self.comm
+        return tuple(Fraction(x) / chunks_per_rank if isinstance(x, Rational)
+                     else x / chunks_per_rank for x in (compute, comm))
+
     def of(self, kind: str, chunks_per_rank: int):
-        """One action's cost on a rank holding `chunks_per_rank` stages (exact for integers)."""
-        cost = {F: self.F, B: self.B, W: self.W, BW: self.B + self.W}[kind]
-        if isinstance(cost, Rational):
-            return Fraction(cost) / chunks_per_rank
-        return cost / chunks_per_rank
+        """One action's cost on a rank holding `chunks_per_rank` stages: compute + comm."""
+        return sum(self.parts(kind, chunks_per_rank))
 
 
 def _exact(x):
     return Fraction(x) if isinstance(x, Rational) else x
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
-    """The timeline of `schedule` under `costs` (checked first: an invalid schedule raises)."""
+def _overlapped_pair(costs: Costs, f: Action, b: Action, chunks: int):
+    """Durations of the two halves of an overlapped pair run as one: max(compute, comm) of the
+    two together, split between them in proportion to their costs one after the other."""
+    (cf, nf), (cb, nb) = costs.parts(f.kind, chunks), costs.parts(b.kind, chunks)
+    together, apart = max(cf + cb, nf + nb), cf + nf + cb + nb
+    if apart == 0:
+        return 0, 0
+    return together * (cf + nf) / apart, together * (cb + nb) / apart
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(), *, overlap: bool = False) -> Timeline:
+    """The timeline of `schedule` under `costs` (checked first: an invalid schedule raises).
+    overlap=True runs each of Schedule.overlapped's pairs as one (see the module docstring)."""
     check(schedule)
+    paired = {r: dict(schedule.overlapped.get(r, ())) if overlap else {} for r in schedule.actions}
     latency = _exact(costs.latency)
     runs = {r: dict(batches(acts)) for r, acts in schedule.actions.items()}   # start -> end
     chunks = {r: len(schedule.stages_of(r)) for r in schedule.actions}
@@ -72,9 +103,15 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
             while at[r] < len(acts):
                 a = acts[at[r]]
                 if not a.is_message:
-                    end = clock[r] + costs.of(a.kind, chunks[r])
-                    events.append(Event(r, a.kind, a.microbatch, a.stage, clock[r], end))
-                    clock[r], at[r], moved = end, at[r] + 1, True
+                    if a in paired[r]:           # its BW is the next action (check.py)
+                        halves = zip((a, acts[at[r] + 1]),
+                                     _overlapped_pair(costs, a, paired[r][a], chunks[r]))
+                    else:
+                        halves = [(a, costs.of(a.kind, chunks[r]))]
+                    for x, duration in halves:
+                        end = clock[r] + duration
+                        events.append(Event(r, x.kind, x.microbatch, x.stage, clock[r], end))
+                        clock[r], at[r], moved = end, at[r] + 1, True
                     continue
                 start, end = at[r], runs[r][at[r]]
                 batch = acts[start:end]

@@ -77,6 +77,12 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float)
         torch.cuda.set_device(rank_device(backend, local_rank))
         options = group_options(backend, local_rank)
     comm.TIMEOUT = datetime.timedelta(seconds=timeout)  # every later group gets it too
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if under_torchrun() and attempt not in ("", "0"):
+        # torchrun restarted the group: its store still holds the dead attempt's addresses
+        # under the same keys, and gloo would connect to those; this attempt's keys are its own
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=comm.TIMEOUT))
+        options["store"] = dist.PrefixStore(f"attempt{attempt}/", store)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT,
                             **options)
 

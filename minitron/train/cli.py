@@ -3,6 +3,7 @@
     python -m minitron.train                              # the shipped corpus, 1 process, ~2 min
     python -m minitron.train --tp 2 --sp --dp 2 --zero 1  # 4 CPU processes (minitron.launch)
     python -m minitron.train --pp 2 --microbatches 4 --resume runs/train/checkpoints/latest
+    python -m minitron.train --dp 2 --save-every 20 --max-restarts 3   # survives a dead rank
     torchrun --nproc-per-node 8 -m minitron.train --tp 2 --pp 2 --dp 2   # the same, on GPUs
 
 It shows a progress line (loss, tokens/s, MFU where the device's peak is known or given),
@@ -12,7 +13,8 @@ of generated text. A bad option, an impossible grid, a missing or too short corp
 checkpoint, a directory it cannot write or that already holds a run (continue it with
 --resume, replace it with --overwrite: train/out_dir.py): one line on stderr and exit code 2. A
 rank that fails mid-run, or a loss that turns NaN or infinite (the run stops before that step's
-update, and saves nothing more): exit code 1.
+update, and saves nothing more): exit code 1; with --max-restarts N a failed rank instead
+restarts every rank from the last checkpoint, up to N times (train/restart.py).
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ import time
 import numpy as np
 import torch
 
-from . import checkpoint, data
+from . import checkpoint, data, restart
 from ..estimate import flops
 from ..grid import CP_VARIANTS, ParallelConfig
-from ..runtime.launch import RankError, launch
-from ..runtime.process_group import end_of_run
+from ..runtime.launch import RankError
+from ..runtime.process_group import end_of_run, under_torchrun
 from ..model.config import CHOICES, ConfigError, ModelConfig, check_number
 from ..model.fused import enable_kernels
 from ..model.convert import gather_state_dict
@@ -108,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
     r("--resume", default=None, help="a checkpoint directory (any grid may have saved it)")
     r("--overwrite", action="store_true", help="replace the run already in --out (its metrics, "
       "plot and checkpoints)")
+    r("--max-restarts", type=int, default=0, dest="max_restarts",
+      help="restart every rank from the last checkpoint when one fails, up to N times "
+           "(under torchrun: torchrun's own --max-restarts)")
     r("--sample", type=int, default=200, help="characters of generated text at the end; 0: none")
     r("--peak-tflops", type=float, default=None, help="per-device peak for MFU (GPUs: detected)")
     return p
@@ -202,6 +207,8 @@ def check_flags(args) -> None:
                          "--overwrite starts a new one there; pass one of them")
     check_number("--save-every", args.save_every, "the checkpoint interval (0: none)", 100,
                  allow_minimum=True, integer=True)
+    check_number("--max-restarts", args.max_restarts, "the restarts after a failed rank", 3,
+                 allow_minimum=True, integer=True)
     check_number("--sample", args.sample, "the sample's length (0: none)", 200,
                  allow_minimum=True, integer=True)
     if args.microbatches is not None:
@@ -235,6 +242,7 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
     peak = args.peak_tflops * 1e12 if args.peak_tflops else \
         ((flops.detect_peak() if on_gpu else None) or (None,))[0]
     for step in range(start, args.steps):
+        restart.die_if_planted(step, run.grid.rank, args.attempt)
         t0 = time.perf_counter()
         run.set_lr(lr_at(step))
         loss = run.step(*loader.batch(step), step)
@@ -303,7 +311,10 @@ def one_line(e: RankError) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
+        if under_torchrun():
+            restart.continue_under_torchrun(args)
         mcfg, pcfg = configure(args)
+        restart.start_of(args)
         data.prepare(args.corpus, os.path.join(args.out, "corpus.bin"), seq=args.seq)
         if os.environ.get("RANK", "0") == "0":
             claim_out(args)
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        results = launch(worker, args, mcfg, pcfg, os.dup(sys.stderr.fileno()), world_size=pcfg.world_size)
+        results = restart.launch_surviving(worker, args, mcfg, pcfg, describe=one_line)
     except RankError as e:
         print(f"minitron.train: error: {one_line(e)}", file=sys.stderr)
         return 1
@@ -320,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             metrics, sample = results[0]
             if metrics:
-                plot(read_metrics(args.out), os.path.join(args.out, "loss.png"))
-                print(f"loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}; metrics in "
+                curve = read_metrics(args.out)      # the whole run's, restarts included
+                plot(curve, os.path.join(args.out, "loss.png"))
+                print(f"loss {curve[0]['loss']:.3f} -> {curve[-1]['loss']:.3f}; metrics in "
                       f"{args.out}/metrics.jsonl, curve in {args.out}/loss.png")
             if sample:
                 print("sample:", sample)

@@ -41,7 +41,7 @@ from ..model.convert import grads_state_dict
 from ..moe.layer import check_moe_grid
 from ..moe.router import imbalance
 from ..pipeline.partition import PipelineGPT
-from ..pipeline.schedules import make_schedule
+from ..pipeline.schedules import V_SHAPED, make_schedule
 from ..runtime import comm
 from ..tensor_parallel.fp8 import FP8Recipe
 from ..tensor_parallel.fp8_linear import enable_fp8
@@ -52,13 +52,13 @@ def resolve_schedule(pcfg: ParallelConfig, name=None, microbatches: int | None =
     """The pipeline Schedule a run steps with, or None (pp = virtual = 1 and no name given).
 
     A Schedule is kept as it is. Defaults: 1F1B (interleaved with virtual > 1), 2*pp
-    micro-batches; ZB-V always has two chunks per rank."""
+    micro-batches; ZB-V and DualPipeV always have two chunks per rank."""
     if name is not None and not isinstance(name, str):
         return name
     if name is None and pcfg.pp == 1 and pcfg.virtual_pp == 1:
         return None
     name = name or ("interleaved" if pcfg.virtual_pp > 1 else "1f1b")
-    virtual = 2 if name == "zb-v" and pcfg.virtual_pp == 1 else pcfg.virtual_pp
+    virtual = 2 if name in V_SHAPED and pcfg.virtual_pp == 1 else pcfg.virtual_pp
     return make_schedule(name, pcfg.pp, microbatches or 2 * pcfg.pp, virtual)
 
 

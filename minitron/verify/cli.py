@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="model chunks (stages) per pipeline rank: interleaved schedules")
     g.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
                    help="pipeline schedule (default with --pp > 1: 1f1b, interleaved with --virtual > 1; "
-                        "zb-v always has 2 chunks per rank)")
+                        "zb-v and dualpipev always have 2 chunks per rank)")
     g.add_argument("--microbatches", type=_positive, default=None,
                    help="micro-batches per step of a pipeline schedule (default 2 * pp)")
     g.add_argument("--cp", type=int, default=1, help="context-parallel size: every sequence split "
