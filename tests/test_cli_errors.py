@@ -6,7 +6,8 @@ import pytest
 
 from minitron import verify
 from minitron.verify import cli as verify_cli
-from minitron.grid import ParallelConfig, validate_model
+from minitron.grid import ParallelConfig
+from minitron.model.splits import validate_model
 from minitron.model.config import ConfigError, ModelConfig, check_adamw
 
 

@@ -202,7 +202,7 @@ def test_three_variants_side_by_side(run_ranks):
 
 
 def test_config_validates_the_variant_up_front():
-    from minitron.grid import validate_model
+    from minitron.model.splits import validate_model
     from minitron.model import ModelConfig
     with pytest.raises(ValueError, match="cp_variant='star'.*ring"):
         ParallelConfig(cp=2, cp_variant="star")

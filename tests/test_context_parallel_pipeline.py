@@ -15,7 +15,8 @@ import pytest
 from minitron.runtime import comm
 from minitron import verify
 from minitron.verify import cli as verify_cli
-from minitron.grid import ParallelConfig, build_grid, validate_model
+from minitron.grid import ParallelConfig, build_grid
+from minitron.model.splits import validate_model
 from minitron.model import ModelConfig
 from minitron.pipeline import executor
 from minitron.pipeline.check import check

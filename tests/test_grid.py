@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid, pad_vocab_size, validate_model
+from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid, pad_vocab_size
+from minitron.model.splits import validate_model
 from minitron.subgroups import SUBGROUP_DIMS
 from minitron.model.config import ModelConfig
 

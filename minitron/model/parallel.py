@@ -51,7 +51,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..context_parallel.grads import average_grads_over_cp
-from ..grid import Grid, validate_model
+from ..grid import Grid
+from .splits import validate_model
 from ..moe.layer import ParallelMoE, check_moe_grid
 from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                              vocab_parallel_cross_entropy)

@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 
 from ..runtime import comm
-from ..grid import Grid, validate_model
+from ..grid import Grid
+from ..model.splits import validate_model
 from ..model.config import ModelConfig
 from ..model.convert import shard_state_dict, stage_layers
 from ..model.fused import check_kernels, make_model_norm

@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from ..grid import CP_VARIANTS, ParallelConfig, validate_model
+from ..grid import CP_VARIANTS, ParallelConfig
+from ..model.splits import validate_model
 from ..model.config import CHOICES, ConfigError, ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..moe.expert_layout import EXPERT_LAYOUTS

@@ -5,7 +5,8 @@ import dataclasses
 
 import torch
 
-from ..grid import ParallelConfig, validate_model
+from ..grid import ParallelConfig
+from ..model.splits import validate_model
 from ..model.config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..runtime.launch import DEFAULT_TIMEOUT, launch
