@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from torch.distributed.run import get_args_parser
 
-from minitron.train import cli as train_cli
+from minitron.train import cli as train_cli, restart
 from minitron.verify import cli as verify_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def test_every_command_takes_its_flags_on_the_ranks_torchrun_starts(script, tmp_
         launched.append(pcfg.world_size)
         return Passed()
 
-    monkeypatch.setattr(train_cli, "launch", stub_launch)
+    monkeypatch.setattr(restart, "launch", stub_launch)     # train/restart.py starts the ranks
     monkeypatch.setattr(verify_cli, "verify", stub_verify)
     monkeypatch.setenv("MINITRON_BACKEND", "gloo")
     wanted = []

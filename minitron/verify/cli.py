@@ -17,7 +17,7 @@ from ..runtime import placement
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
-from ..train.cli import UsageError, _Parser
+from ..train.flags import UsageError, _Parser
 from ..tensor_parallel.fp8 import RECIPES
 from ..train.engine import check_supported, resolve_schedule, uses_engine
 from ..train.precision import PRECISIONS, resolve_precision
