@@ -16,6 +16,11 @@ def overlap(argv: list[str]) -> int:
     return run(argv)
 
 
+def peers(argv: list[str]) -> int:
+    from .peers import run
+    return run(argv)
+
+
 def kernels(argv: list[str]) -> int:
     try:
         from . import kernels as kernel_bench
@@ -25,7 +30,7 @@ def kernels(argv: list[str]) -> int:
     return kernel_bench.run(argv) or 0
 
 
-COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels}
+COMMANDS = {"overhead": overhead, "overlap": overlap, "peers": peers, "kernels": kernels}
 
 
 def main(argv: list[str] | None = None) -> int:
