@@ -3,7 +3,8 @@
 Two gloo ranks, one GPT (4 layers, h=256, fp32, dropout 0: torch's modules know nothing of
 minitron's keyed masks), the same weights and batch on both sides. Each pair is one training
 step without the optimizer (forward, backward, gradients synchronized), which is where the
-two implementations differ; the optimizer is benchmarked on its own (bench overhead).
+two implementations differ; the optimizer is left out (on CPU minitron's AdamW step is torch's
+own fused kernel, fed whole 64-byte units: kernels/ops.py).
 
   DataParallel        vs  torch DDP (DistributedDataParallel, gradient_as_bucket_view, the
                           same bucket size); each rank trains on its half of the batch
