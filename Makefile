@@ -90,6 +90,7 @@ verify-matrix: setup
 bench: setup
 	$(BIN)/python -m minitron.bench overhead
 	$(BIN)/python -m minitron.bench overlap
+	$(BIN)/python -m minitron.bench peers
 	$(BIN)/python -m minitron.bench kernels
 
 # Everything that needs a GPU, at most 8 minutes on one H200; CSVs in bench/results/ named by

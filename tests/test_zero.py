@@ -103,6 +103,12 @@ def test_formula_table():
 
 
 # ---- peers -------------------------------------------------------------------------------
+# ZeroOptimizer steps with torch's fused CPU AdamW kernel (minitron/kernels/ops.py), so the peers
+# step with it too: two steps on gradients each side computes itself need the same rounding in
+# step 1, or a tensor whose gradient is float32 noise (a key bias: softmax ignores it) takes a
+# different step 2. Every tensor here is a multiple of 16 elements, so torch's per-parameter
+# calls round every element as ZeroOptimizer's one call over the shard does.
+FUSED = hasattr(torch, "_fused_adamw_")
 def _compare(mine: dict, theirs: dict, old: dict) -> list[str]:
     tol = update_tolerance()
     bad = []
@@ -122,7 +128,8 @@ def zero1_peer_rank(steps=2):
     engine = DataParallel(mine, grid, bucket_numel=4096, zero_stage=1)
     opt = ZeroOptimizer(engine, lr=LR, eps=EPS)
     ddp = DistributedDataParallel(theirs)
-    zro = ZeroRedundancyOptimizer(theirs.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, eps=EPS)
+    zro = ZeroRedundancyOptimizer(theirs.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, eps=EPS,
+                                  fused=FUSED)
     bad = []
     for step in range(steps):
         tokens, targets = make_batch(step, SEED, 4, mcfg.seq_len, mcfg.vocab_size)
@@ -159,7 +166,7 @@ def zero3_peer_rank(steps=2):
     fully_shard(theirs, mesh=mesh)
     engine = ZeroStage3(mine, grid)
     opt = ZeroOptimizer(engine, lr=LR, eps=EPS)
-    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=LR, eps=EPS)
+    torch_opt = torch.optim.AdamW(theirs.parameters(), lr=LR, eps=EPS, fused=FUSED)
     full = lambda: {n: p.full_tensor().detach() for n, p in theirs.named_parameters()}
     bad = []
     for step in range(steps):

@@ -16,6 +16,11 @@ def overlap(argv: list[str]) -> int:
     return run(argv)
 
 
+def peers(argv: list[str]) -> int:
+    from .peers import run
+    return run(argv)
+
+
 def kernels(argv: list[str]) -> int:
     try:
         from . import kernels as kernel_bench
@@ -40,8 +45,8 @@ def gpu(argv: list[str]) -> int:
     return gpu_check(argv)
 
 
-COMMANDS = {"overhead": overhead, "overlap": overlap, "kernels": kernels, "precision": precision,
-            "scaling": scaling, "gpu": gpu}
+COMMANDS = {"overhead": overhead, "overlap": overlap, "peers": peers, "kernels": kernels,
+            "precision": precision, "scaling": scaling, "gpu": gpu}
 
 
 def main(argv: list[str] | None = None) -> int:

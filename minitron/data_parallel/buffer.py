@@ -167,6 +167,7 @@ class GroupBuffer:
         self.ready = [0] * len(self.layout.buckets)
         self.pending: list = [None] * len(self.layout.buckets)
         self.next_launch = 0
+        self.prescaled: set[nn.Parameter] = set()   # views already holding scale x gradient
 
     # ---- the kept (reduced) gradient of each owned element ----------------------------
     def owned_grads(self) -> list[torch.Tensor]:
@@ -187,11 +188,14 @@ class GroupBuffer:
                 for i, j, ln in self.layout.pieces(p, self.owned)]
 
     # ---- buckets ---------------------------------------------------------------------
-    def adopt_grad(self, p: nn.Parameter) -> None:
+    def adopt_grad(self, p: nn.Parameter, final: bool = False) -> None:
         """Stages 0/1, from p's gradient hook: make p.grad its buffer view. A step's first
         gradient arrives in autograd's own tensor (DataParallel.zero_grad leaves .grad None,
         so autograd hands over what it computed instead of adding it to zeros: one pass over
-        the gradients fewer); it is copied in, and later micro-batches add into the view."""
+        the gradients fewer); it is copied in, and later micro-batches add into the view.
+        `final` (the backward that sends it): the copy also multiplies by 1/n, so launch has
+        no pass of its own to make over this piece (DDP's mul_out; the same multiply, so the
+        same bits)."""
         view = self.layout.view(self.grads_flat, p)
         if p.grad is None:
             # Nothing accumulated yet: a zero-bubble B calls the hook of a weight whose gradient
@@ -200,7 +204,11 @@ class GroupBuffer:
             view.zero_()
             p.grad = view
         elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+            if final and self.scale != 1.0:
+                torch.mul(p.grad, self.scale, out=view)
+                self.prescaled.add(p)
+            else:
+                view.copy_(p.grad)
             p.grad = view
 
     def fill_missing(self, b: int) -> None:
@@ -227,17 +235,22 @@ class GroupBuffer:
 
     def launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]
+        averaged = self.scale != 1.0          # one replica: nothing to average, skip the pass
         if self.stage < 2:
             data = self.grads_flat[bucket.start:bucket.end]
-        else:   # copy the bucket out of .grad, free .grad: only the shard will stay
+            left = [p for p in bucket.params if p not in self.prescaled]   # adopt_grad did the rest
+            if averaged and len(left) == len(bucket.params):
+                data.mul_(self.scale)             # one pass (padding included: zeros stay zeros)
+            elif averaged:
+                for p in left:
+                    self.layout.view(self.grads_flat, p).mul_(self.scale)
+        else:   # copy the bucket out of .grad (scaled on the way), free .grad: only the shard stays
             data = torch.zeros(bucket.numel, dtype=self.params_flat.dtype, device=self.params_flat.device)
             for p in bucket.params:
                 if p.grad is not None:
                     o = self.layout.offset[p] - bucket.start
-                    data[o:o + p.numel()].copy_(p.grad.reshape(-1))
+                    torch.mul(p.grad.reshape(-1), self.scale, out=data[o:o + p.numel()])
                 p.grad = None
-        if self.scale != 1.0:                 # one replica: nothing to average, skip the pass
-            data.mul_(self.scale)
         if self.stage == 0:
             self.pending[b] = comm_async.all_reduce(data, self.group)
         else:

@@ -236,7 +236,7 @@ class DataParallel(GradientEngine):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         gb = self.buffer_of[p]
         if self.zero_stage < 2:
-            gb.adopt_grad(p)
+            gb.adopt_grad(p, final=self.sync_enabled and gb.layout.bucket_of[p] != gb.late_bucket)
         if not self.sync_enabled:
             return
         self.events.append(("grad", self.names[p], time.perf_counter()))

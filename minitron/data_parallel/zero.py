@@ -15,7 +15,9 @@ all-gather); stage 3 gathers the weights twice (forward, and again for backward:
 freed in between), so it sends 1.5 times as much. memory.py has the formulas; tests measure.
 
 ZeroOptimizer is AdamW (torch.optim.AdamW's arithmetic: decoupled decay, bias correction) on
-fp32 master copies of the elements this rank owns. AdamW is elementwise, so stepping every
+fp32 master copies of the elements this rank owns, in one call over its whole flat shard
+(kernels/ops.fused_adamw_step: Triton on GPUs, torch's fused kernel on CPU, each element rounded
+alike wherever a shard boundary falls, so a replica held at two offsets stays bitwise one). AdamW is elementwise, so stepping every
 rank's shard is stepping the whole model. It reads its shards from an engine: DataParallel
 (ddp.py, stages 0-2; stage 0 owns everything) or ZeroStage3 (zero3.py). One training step:
 

@@ -77,11 +77,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         softmax, local, mine, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        # subtract the one-hot only where this rank owns the target column
-        onehot = torch.zeros_like(grad).scatter_(-1, local.unsqueeze(-1),
-                                                 mine.unsqueeze(-1).to(grad.dtype))
-        grad.sub_(onehot).mul_(grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1))
+        scale = grad_loss.float().masked_fill(ignored, 0.0).unsqueeze(-1)
+        # (softmax - onehot) * scale without a dense one-hot: one pass over the logits, then
+        # the target columns this rank owns rewritten as (s_t - 1) * scale (the same bits)
+        grad = softmax * scale
+        at = (*mine.nonzero(as_tuple=True),)
+        at = (*at, local[at])
+        grad[at] = (softmax[at] - 1) * scale[at[:-1]].squeeze(-1)
         return grad.to(ctx.logits_dtype), None, None, None
 
 

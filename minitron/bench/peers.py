@@ -1,0 +1,301 @@
+"""python -m minitron.bench peers: minitron's parallel paths against torch's own, side by side.
+
+Two gloo ranks, one GPT (4 layers, h=256, fp32, dropout 0: torch's modules know nothing of
+minitron's keyed masks), the same weights and batch on both sides. Each pair is one training
+step without the optimizer (forward, backward, gradients synchronized), which is where the
+two implementations differ; the optimizer is left out (on CPU minitron's AdamW step is torch's
+own fused kernel, fed whole 64-byte units: kernels/ops.py).
+
+  DataParallel        vs  torch DDP (DistributedDataParallel, gradient_as_bucket_view, the
+                          same bucket size); each rank trains on its half of the batch
+  ZeroStage3          vs  FSDP2 (torch.distributed.fsdp.fully_shard on the same units: the
+                          embedding, each layer, the final norm, the output layer)
+  1F1B executor       vs  torch.distributed.pipelining.Schedule1F1B, 2 stages, 4 micro-batches
+  ParallelGPT tp=2    vs  DTensor tensor parallelism (parallelize_module: q, k, v, fc1 and the
+                          output layer column-parallel, out and fc2 row-parallel, the embedding
+                          row-parallel, the cross-entropy under loss_parallel)
+
+The torch side runs the reference GPT's own modules (PeerGPT: the output layer is called as a
+module, so FSDP2's and DTensor's hooks see it). Before anything is timed, both sides take a
+step and their losses must agree within verify's float32 tolerance: the two compute the same
+thing. Then rounds: in each, both sides take one step (which goes first alternates), each
+between two barriers, so its wall time is the slower rank's. The ratio is minitron / torch
+within a round, its median over the rounds printed with the quartiles beside it: the spread a
+busy machine puts on it. At or below 1.0 (within the spread) is the aim.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..grid import ParallelConfig, build_grid
+from ..model.config import ModelConfig
+from ..model.parallel import ParallelGPT
+from ..model.reference import GPT
+from ..runtime import comm
+from ..runtime.launch import launch
+from ..verify import make_batch
+from ..verify.checks import float32_tolerance
+
+PEERS_CONFIG = ModelConfig(vocab_size=2048, seq_len=128, hidden=256, n_layers=4, n_heads=8, dropout=0.0)
+QUICK_CONFIG = ModelConfig(vocab_size=128, seq_len=16, hidden=32, n_layers=2, n_heads=4, dropout=0.0)
+MICROBATCHES = 4
+PAIRS = ("DataParallel vs DDP, 25 MB buckets", "DataParallel vs DDP, 1 MB buckets",
+         "ZeroStage3 vs FSDP2", "1F1B executor vs Schedule1F1B", "ParallelGPT tp=2 vs DTensor TP")
+
+
+class PeerGPT(nn.Module):
+    """The reference GPT's own modules (its weights, its names), the output layer called as a
+    module: the forward torch's wrappers hook into. tokens -> logits [b, s, V]."""
+
+    def __init__(self, ref: GPT):
+        super().__init__()
+        self.embedding, self.layers, self.final_norm, self.lm_head = (
+            ref.embedding, ref.layers, ref.final_norm, ref.lm_head)
+        self.rng = ref.rng
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rng)
+        return self.lm_head(self.final_norm(x))
+
+
+def _loss(logits, targets) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _rows(tokens, targets):
+    from ..data_parallel.step import local_rows
+    rows = local_rows(tokens.shape[0], build_grid(ParallelConfig(dp=2)))
+    return tokens[rows], targets[rows]
+
+
+# Each pair: (minitron's step, torch's step), each returning this rank's loss (or None).
+def _data_parallel(cfg, tokens, targets, bucket_mb: float):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ..data_parallel import DataParallel
+    tokens, targets = _rows(tokens, targets)
+    model = ParallelGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(dp=2)))
+    engine = DataParallel(model, model.grid, bucket_numel=int(bucket_mb * 2**20) // 4)
+    ddp = DDP(PeerGPT(GPT(cfg, seed=0)), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+
+    def ours():
+        engine.zero_grad()
+        _, loss = model(tokens, targets)
+        loss.backward()
+        engine.finish_grad_sync()
+        return loss
+
+    def theirs():
+        ddp.zero_grad(set_to_none=True)
+        loss = _loss(ddp(tokens), targets)
+        loss.backward()
+        return loss
+    return ours, theirs
+
+
+def _zero3(cfg, tokens, targets):
+    from torch.distributed.fsdp import fully_shard
+    from ..data_parallel.zero3 import ZeroStage3
+    tokens, targets = _rows(tokens, targets)
+    model = ParallelGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(dp=2)))
+    engine = ZeroStage3(model, model.grid)
+    peer = PeerGPT(GPT(cfg, seed=0))
+    for unit in [peer.embedding, *peer.layers, peer.final_norm, peer.lm_head]:   # ZeroStage3's units
+        fully_shard(unit)
+    fully_shard(peer)
+
+    def ours():
+        engine.zero_grad()
+        _, loss = model(tokens, targets)
+        loss.backward()
+        engine.finish_grad_sync()
+        return loss
+
+    def theirs():
+        peer.zero_grad(set_to_none=True)
+        loss = _loss(peer(tokens), targets)
+        loss.backward()
+        return loss
+    return ours, theirs
+
+
+class _Stage(nn.Module):
+    """Pipeline stage s of 2 from the reference's own modules, cut as minitron cuts."""
+
+    def __init__(self, ref: GPT, s: int):
+        super().__init__()
+        from ..model.convert import stage_layers
+        self.first, self.last, self.rng = s == 0, s == 1, ref.rng
+        if self.first:
+            self.embedding = ref.embedding
+        self.layers = nn.ModuleList(ref.layers[i] for i in stage_layers(ref.cfg, s, 2))
+        if self.last:
+            self.final_norm, self.lm_head = ref.final_norm, ref.lm_head
+
+    def forward(self, x):
+        x = self.embedding(x) if self.first else x
+        for layer in self.layers:
+            x = layer(x, self.rng)
+        return self.lm_head(self.final_norm(x)) if self.last else x
+
+
+def _pipeline(cfg, tokens, targets):
+    from torch.distributed import pipelining
+    from ..pipeline import make_schedule
+    from ..pipeline.executor import run_schedule
+    from ..pipeline.partition import PipelineGPT
+    m, rank = MICROBATCHES, dist.get_rank()
+    schedule = make_schedule("1f1b", 2, m)
+    model = PipelineGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(pp=2)),
+                                       placement=schedule.stage_rank)
+    mbs = tokens.shape[0] // m
+    act = torch.zeros(mbs, cfg.seq_len, cfg.hidden, requires_grad=True)
+    out = torch.zeros(mbs, cfg.seq_len, cfg.vocab_size if rank == 1 else cfg.hidden, requires_grad=True)
+    stage = pipelining.PipelineStage(_Stage(GPT(cfg, seed=0), rank), rank, 2, torch.device("cpu"),
+                                     input_args=tokens[:mbs] if rank == 0 else act, output_args=out)
+    peer = pipelining.Schedule1F1B(stage, m, loss_fn=lambda y, t: _loss(y, t) / m, scale_grads=False)
+
+    def ours():
+        model.zero_grad(set_to_none=True)
+        model.rng.reset(0)
+        return run_schedule(schedule, model, tokens, targets, keep_outputs=False).loss
+
+    def theirs():
+        stage.submod.zero_grad(set_to_none=True)
+        losses: list = []
+        peer.step(*((tokens,) if rank == 0 else ()), target=targets if rank == 1 else None,
+                  losses=losses)
+        return torch.stack(losses).sum() if rank == 1 else None
+    return ours, theirs
+
+
+def _tensor_parallel(cfg, tokens, targets):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                   parallelize_module)
+    model = ParallelGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(tp=2)))
+    peer = PeerGPT(GPT(cfg, seed=0))
+    mesh = init_device_mesh("cpu", (2,))
+    plan = {"embedding.word": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(cfg.n_layers):
+        plan.update({f"layers.{i}.attention.{n}": ColwiseParallel() for n in ("q", "k", "v")})
+        plan.update({f"layers.{i}.attention.out": RowwiseParallel(),
+                     f"layers.{i}.mlp.fc1": ColwiseParallel(), f"layers.{i}.mlp.fc2": RowwiseParallel()})
+    parallelize_module(peer, mesh, plan)
+
+    def ours():
+        model.zero_grad(set_to_none=True)
+        _, loss = model(tokens, targets)
+        loss.backward()
+        model.finalize_grads()
+        return loss
+
+    def theirs():
+        peer.zero_grad(set_to_none=True)
+        with loss_parallel():
+            loss = _loss(peer(tokens), targets)
+            loss.backward()
+        return loss.full_tensor()
+    return ours, theirs
+
+
+def _timed(step, world) -> tuple[float, object]:
+    comm.barrier(world)
+    t0 = time.perf_counter()
+    loss = step()
+    comm.barrier(world)
+    return time.perf_counter() - t0, loss
+
+
+def _peers_rank(cfg: ModelConfig, batch: int, rounds: int, warmup: int) -> dict:
+    world = comm.Group("world", range(dist.get_world_size()))
+    tokens, targets = make_batch(0, 0, batch, cfg.seq_len, cfg.vocab_size)
+    builders = dict(zip(PAIRS, (
+        lambda: _data_parallel(cfg, tokens, targets, 25), lambda: _data_parallel(cfg, tokens, targets, 1),
+        lambda: _zero3(cfg, tokens, targets), lambda: _pipeline(cfg, tokens, targets),
+        lambda: _tensor_parallel(cfg, tokens, targets))))
+    out = {}
+    for name, build in builders.items():
+        ours, theirs = build()
+        # the same numerics first: a loss each (the last pipeline stage's only)
+        losses = [None if x is None else float(x.detach()) for x in (ours(), theirs())]
+        for _ in range(warmup):
+            ours(), theirs()
+        times = []
+        for i in range(rounds):        # alternate who goes first: neither always finds a warm cache
+            a, b = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+            ta, tb = _timed(a, world)[0], _timed(b, world)[0]
+            times.append((ta, tb) if i % 2 == 0 else (tb, ta))
+        out[name] = {"losses": losses, "times": times}
+        del ours, theirs
+    return out
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(lower quartile, median, upper quartile)."""
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def summarize(ranks: list[dict], cfg: ModelConfig, batch: int) -> list[dict]:
+    """Per pair: the losses on both sides (checked), both sides' median wall ms, the ratio's
+    quartiles over the rounds (rank 0's clock: the steps end at a barrier, so both ranks')."""
+    tol = float32_tolerance(cfg, batch, cfg.seq_len)
+    rows = []
+    for name in PAIRS:
+        pairs = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
+        worst = max(abs(a - b) / max(abs(b), 1.0) for a, b in pairs)
+        times = ranks[0][name]["times"]
+        rows.append({"pair": name, "loss": pairs[0], "loss_error": worst, "tolerance": tol,
+                     "same_loss": worst <= tol,
+                     "ms": tuple(1e3 * statistics.median(t[k] for t in times) for k in (0, 1)),
+                     "ratio": quartiles([a / b for a, b in times])})
+    return rows
+
+
+def run(argv: list[str] | None = None) -> int:
+    from .overhead import machine
+    p = argparse.ArgumentParser(prog="python -m minitron.bench peers")
+    p.add_argument("--rounds", type=int, default=20, help="timed rounds per pair (default 20)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (a multiple of 8)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and 3 rounds: the table's "
+                   "shape and the numerics check in a few seconds (timings mean nothing)")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}; use --rounds 20")
+    if args.batch < 8 or args.batch % 8:
+        p.error(f"--batch must be a multiple of 8 (2 replicas x {MICROBATCHES} micro-batches), "
+                f"got {args.batch}; use --batch 8")
+    cfg, rounds, warmup = (QUICK_CONFIG, min(args.rounds, 3), 0) if args.quick else (PEERS_CONFIG, args.rounds, 2)
+    ranks = launch(_peers_rank, cfg, args.batch, rounds, warmup, world_size=2, backend="gloo")
+    rows = summarize(ranks, cfg, args.batch)
+    print(f"machine: {machine()}")
+    print(f"config:  {dataclasses.replace(cfg)}")
+    print(f"step:    forward + backward + gradient sync, no optimizer; 2 gloo ranks, batch "
+          f"{args.batch} x {cfg.seq_len}, fp32; {rounds} interleaved rounds after {warmup} warm-up")
+    print(f"{'pair':34}{'loss (minitron / torch)':>26}{'minitron ms':>13}{'torch ms':>10}"
+          f"{'ratio':>7}  {'IQR':11} verdict")
+    failed = False
+    for r in rows:
+        q1, med, q3 = r["ratio"]
+        verdict = "<= 1.0" if med <= 1.0 else "<= 1.0 within spread" if q1 <= 1.0 else "ABOVE 1.0"
+        if not r["same_loss"]:
+            verdict, failed = f"LOSSES DIFFER by {r['loss_error']:.1e} (tolerance {r['tolerance']:.1e})", True
+        print(f"{r['pair']:34}{r['loss'][0]:>13.5f} / {r['loss'][1]:<10.5f}{r['ms'][0]:13.1f}"
+              f"{r['ms'][1]:10.1f}{med:7.2f}  {q1:.2f}-{q3:.2f}   {verdict}")
+    print("ratio: minitron's wall time over torch's in the same round, median over rounds; "
+          "IQR: its quartiles")
+    return 1 if failed else 0
