@@ -73,8 +73,8 @@ def _loss(logits, targets) -> torch.Tensor:
 
 
 def _rows(tokens, targets):
-    from ..data_parallel.step import local_rows
-    rows = local_rows(tokens.shape[0], build_grid(ParallelConfig(dp=2)))
+    from ..train.step import replica_rows
+    rows = replica_rows(tokens.shape[0], build_grid(ParallelConfig(dp=2)))
     return tokens[rows], targets[rows]
 
 
