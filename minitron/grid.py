@@ -279,7 +279,7 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-_GRIDS: dict[ParallelConfig, tuple[object, Grid]] = {}
+_GRIDS: dict[tuple[ParallelConfig, int], tuple[object, Grid]] = {}
 
 
 def build_grid(config: ParallelConfig) -> Grid:
@@ -288,11 +288,11 @@ def build_grid(config: ParallelConfig) -> Grid:
     A cached grid belongs to the world it was built in: after the process group is
     destroyed and initialised again, the groups are built anew."""
     world = dist.group.WORLD if dist.is_initialized() else None
-    cached = _GRIDS.get(config)
+    key = (config, config.gpus_per_node)     # equal configs on other nodes warn differently
+    cached = _GRIDS.get(key)
     if cached is None or cached[0] is not world:
-        cached = _GRIDS[config] = (world, Grid(config))
+        cached = _GRIDS[key] = (world, Grid(config))
     return cached[1]
 
 
-__all__ = ["DIMS", "CP_VARIANTS", "GROUP_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size",
-           "validate_model"]
+__all__ = ["DIMS", "CP_VARIANTS", "GROUP_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size"]

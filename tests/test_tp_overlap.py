@@ -150,7 +150,7 @@ def test_refused_without_sequence_parallelism(capsys, monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("a rank was started for options that should have been refused")
     monkeypatch.setattr("minitron.verify.run.launch", launched)
-    monkeypatch.setattr(train_cli, "launch", launched)
+    monkeypatch.setattr("minitron.train.restart.launch", launched)
     assert verify_cli.main(["--tp", "2", "--tp-comm-overlap"]) == 2
     err = capsys.readouterr().err
     assert "--tp-comm-overlap" in err and "use --sp or drop --tp-comm-overlap" in err, err
