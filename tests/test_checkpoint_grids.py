@@ -45,11 +45,12 @@ CASES = [   # (model, saved at, zero) -> loaded at [(grid, zero), ...]
     (MOE, dict(cp=2, ep=2), 0, [(dict(ep=2, dp=2), 1)]),
     (DENSE, dict(cp=2, dp=2), 1, [(dict(tp=2, dp=2), 0)]),
     (DENSE, dict(tp=2, pp=2), 0, [(dict(dp=4), 3)]),
+    (DENSE, dict(dp=4, dp_shard=2), 3, [(dict(tp=2, dp=2), 1), (dict(dp=4, dp_shard=2, tp=1), 1)]),
 ]
 
 
 @pytest.mark.parametrize("mcfg, saved, zero, loads", CASES,
-                         ids=["moe-ep2dp2", "moe-cp2ep2", "cp2dp2", "tp2pp2-to-dp4-zero3"])
+                         ids=["moe-ep2dp2", "moe-cp2ep2", "cp2dp2", "tp2pp2-to-dp4-zero3", "hsdp-2x2-zero3"])
 def test_a_checkpoint_loads_on_another_grid(run_ranks, tmp_path, mcfg, saved, zero, loads):
     path = str(tmp_path / "ckpt")
     next_loss = run_ranks(save_then_step, mcfg, saved, zero, path, world_size=4)[0]
