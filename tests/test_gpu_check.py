@@ -59,6 +59,14 @@ def test_the_model_of_the_train_part_is_gpt2_medium_sized():
     assert 340e6 < rank_params(gpu_train.gpt_350m()) < 370e6
 
 
+def test_the_train_part_has_the_planners_prediction_beside_it():
+    cfg = gpu_train.gpt_350m()
+    h100, h200 = (gpu_train.planner_step_s(cfg, 8, name) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+    a100 = gpu_train.planner_step_s(cfg, 8, "NVIDIA A100-SXM4-80GB")
+    assert 0 < h200 <= h100 < a100 < 1.0           # same peak, more HBM bandwidth; 3x the peak
+    assert gpu_train.planner_step_s(cfg, 8, "NVIDIA GeForce RTX 4090") is None
+
+
 def test_the_train_part_runs_on_a_cpu_rank_and_writes_its_csv(tmp_path):
     path = tmp_path / "train.csv"
     assert gpu.main(["--part", "train", "--smoke", "--variants", "eager", "--csv", str(path)]) == 0

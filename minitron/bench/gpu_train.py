@@ -6,7 +6,9 @@ time through minitron.train.engine.TrainingRun, three ways: eager, with the fuse
 
 Each row: median step time of the timed steps after the warm-up ones (synchronised: the step's
 kernels, not their launch), tokens/s, and MFU against the GPU's peak (estimate.flops.PEAKS) for
-the model FLOPs of a step (6 x params x tokens plus attention, estimate.flops.iteration_flops).
+the model FLOPs of a step (6 x params x tokens plus attention, estimate.flops.iteration_flops),
+and beside it the planner's prediction for the same step on that GPU (planner_step_s: the time
+model of minitron.plan, estimate/time_model.py, on its data-sheet description of the GPU).
 The rank is a minitron.launch rank of world size 1, on cuda:0 under NCCL where there is a GPU.
 --smoke: a tiny model, any device, to check the code path (its timings mean nothing).
 """
@@ -27,14 +29,24 @@ VARIANTS = ("eager", "kernels", "compile")
 BATCH, WARMUP, TIMED = 8, 2, 3
 FIELDS = ["variant", "params", "batch", "seq", "step_s", "tokens_per_s", "mfu", "peak",
           "planner_step_s", "peak_memory_gb", "loss", "error"]
-# planner_step_s stays empty here: the planner's prediction for this GPU is filled in where
-# minitron.plan exists (it is not a dependency of this file).
 
 
 def gpt_350m() -> ModelConfig:
     """GPT-2 medium's shape (24 x 1024, 16 heads, tied embedding): about 355M parameters."""
     return ModelConfig(vocab_size=50304, seq_len=1024, hidden=1024, n_layers=24, n_heads=16,
                        tie_embeddings=True, dropout=0.0)
+
+
+def planner_step_s(cfg: ModelConfig, batch: int, device_name: str) -> float | None:
+    """The planner's step time for this step (one GPU, the whole batch as one micro-batch), on
+    the data-sheet GPU that `device_name` ("NVIDIA H200", ...) is; None for one it has no sheet of."""
+    from ..estimate.hardware import GPUS
+    from ..estimate.time_model import Cluster, Parallel, step_time
+    key = next((k for k in GPUS if k in device_name.lower()), None)
+    if key is None:
+        return None
+    par = Parallel(micro_batch=batch, zero=0)
+    return step_time(cfg, par, Cluster(GPUS[key], gpus_per_node=1), global_batch=batch).seconds
 
 
 def tiny() -> ModelConfig:
@@ -75,8 +87,13 @@ def measure(cfg: ModelConfig, variant: str, batch: int, warmup: int, timed: int)
     return {"variant": variant, "params": rank_params(cfg), "batch": batch, "seq": cfg.seq_len,
             "step_s": round(step_s, 4), "tokens_per_s": round(rate["tokens/s"]),
             "mfu": "" if peak is None else round(rate["MFU"], 3),
-            "peak": "" if found is None else found[1], "planner_step_s": "",
+            "peak": "" if found is None else found[1],
+            "planner_step_s": "" if found is None else _rounded(planner_step_s(cfg, batch, found[1])),
             "peak_memory_gb": round(memory, 1), "loss": round(loss, 3), "error": ""}
+
+
+def _rounded(seconds: float | None):
+    return "" if seconds is None else round(seconds, 4)
 
 
 def rank_rows(cfg: ModelConfig, variants, batch: int, warmup: int, timed: int) -> list[dict]:
