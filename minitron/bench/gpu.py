@@ -12,7 +12,8 @@ budget, cut short when the budget is spent:
              its first row is flash attention at s=4096, d=128, causal, bf16, forward and
              backward, whose pct_of_ceiling is its fraction of the measured matmul rate
   train      one training step of a 350M GPT in bf16 on one GPU through the engine: eager,
-             --kernels and compiled blocks; step time, tokens/s, MFU (gpu_train.py)
+             --kernels and compiled blocks; step time, tokens/s, MFU, and the planner's
+             predicted step beside them (gpu_train.py)
   verify     python -m minitron.verify on one CUDA rank (NCCL, world size 1), with and without
              the kernels
   tests      the GPU-only tests (pytest -m gpu: those skipped on a CPU for needing a GPU)
@@ -69,7 +70,7 @@ def plan(gpu: str, date: str) -> list[Part]:
              ["-m", "minitron.bench", "kernels", "--quick", "--budget-s", "100", "--csv", kernels_csv],
              130, kernels_csv),
         Part("train", "a 350M GPT, bf16, one GPU, through TrainingRun: eager, --kernels, compiled "
-             "blocks; step time, tokens/s, MFU",
+             "blocks; step time, tokens/s, MFU, beside the planner's prediction",
              ["-m", "minitron.bench", "gpu", "--part", "train", "--csv", train_csv], 140, train_csv),
         Part("verify", "minitron.verify on one CUDA rank (NCCL, world size 1)", verify, 40,
              env=NCCL),
