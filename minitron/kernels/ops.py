@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .adamw_cpu import fused_cpu_adamw, fused_cpu_applies
 from .common import fix_interpreter_bf16, global_softmax_stats, interpreting
 
 _ENABLED = True
@@ -264,7 +265,7 @@ def fused_adamw_step(param_fp32, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2,
     updated parameter, cast, into model_param (the low-precision model copy).
 
     Three paths: the Triton kernel (GPUs, the interpreter); on CPU fp32, torch's own
-    fused AdamW kernel, every element through its vector loop (_torch_fused_adamw);
+    fused AdamW kernel, every element through its vector loop (adamw_cpu.py);
     otherwise (float64 references, other devices) torch's ops one by one."""
     bc1 = 1 - beta1 ** step
     bc2_sqrt = math.sqrt(1 - beta2 ** step)
@@ -274,9 +275,9 @@ def fused_adamw_step(param_fp32, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2,
                    beta2=beta2, eps=eps, weight_decay=weight_decay, step_size=lr / bc1,
                    bc2_sqrt=bc2_sqrt)
         return
-    if _torch_fused_path(param_fp32, grad, exp_avg, exp_avg_sq):
-        _torch_fused_adamw(param_fp32, grad.float(), exp_avg, exp_avg_sq, lr=lr, beta1=beta1,
-                           beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    if fused_cpu_applies(param_fp32, grad, exp_avg, exp_avg_sq):
+        fused_cpu_adamw(param_fp32, grad.float(), exp_avg, exp_avg_sq, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
         if model_param is not None:
             model_param.copy_(param_fp32)
         return
@@ -288,45 +289,3 @@ def fused_adamw_step(param_fp32, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2,
     param_fp32.addcdiv_(exp_avg, denom, value=-(lr / bc1))
     if model_param is not None:
         model_param.copy_(param_fp32)
-
-
-# torch's fused CPU AdamW (ATen's FusedAdamKernel.cpp) makes one pass instead of the eager
-# path's six (3.3x faster on a 4M-element shard), but it does not round every element alike:
-# each 64-byte unit of a tensor goes through a vector loop (its lerp a fused multiply-add),
-# the tensor's last numel % 16 elements through a scalar loop that rounds differently. Which
-# elements come last depends on where a shard was cut, and ZeRO cuts at different places on
-# different grids (a tied embedding's two copies even within one run), so the same weight would
-# end up a bit apart. Hence every element takes the vector loop: the body (a multiple of 16
-# elements, so every unit the kernel hands a thread is whole) in place, the tail through a
-# zero-padded 16-element scratch. Lanes are independent, so an element's result then depends
-# on its own values only, never on its offset.
-_FUSED_UNIT = 16            # 64 bytes of float32: the kernel's work unit, >= its vector width
-
-
-def _torch_fused_path(param, grad, exp_avg, exp_avg_sq) -> bool:
-    tensors = (param, grad, exp_avg, exp_avg_sq)
-    return (hasattr(torch, "_fused_adamw_") and param.device.type == "cpu"
-            and all(t.dtype == torch.float32 for t in (param, exp_avg, exp_avg_sq))
-            and grad.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(t.is_contiguous() for t in tensors))
-
-
-def _torch_fused_adamw(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step):
-    flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
-    n = flat[0].numel()
-    body = n - n % _FUSED_UNIT
-    lists = [[t[:body]] if body else [] for t in flat]
-    tail = None
-    if body < n:
-        tail = [torch.zeros(_FUSED_UNIT) for _ in flat]
-        for scratch, t in zip(tail, flat):
-            scratch[:n - body].copy_(t[body:])
-        for lst, scratch in zip(lists, tail):
-            lst.append(scratch)
-    steps = [torch.tensor(float(step))] * len(lists[0])
-    torch._fused_adamw_(*lists, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-    if tail is not None:
-        for scratch, t in zip(tail, flat):
-            if t is not flat[1]:                      # the gradient is only read
-                t[body:].copy_(scratch[:n - body])
