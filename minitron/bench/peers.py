@@ -79,39 +79,12 @@ def _rows(tokens, targets):
 
 
 # Each pair: (minitron's step, torch's step), each returning this rank's loss (or None).
-def _data_parallel(cfg, tokens, targets, bucket_mb: float):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from ..data_parallel import DataParallel
+def _replica_pair(cfg, tokens, targets, make_engine, wrap_peer):
+    """A data-parallel pair: minitron's engine around a ParallelGPT at dp=2, torch's wrapper
+    around the reference's own modules, each stepping on this replica's rows."""
     tokens, targets = _rows(tokens, targets)
     model = ParallelGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(dp=2)))
-    engine = DataParallel(model, model.grid, bucket_numel=int(bucket_mb * 2**20) // 4)
-    ddp = DDP(PeerGPT(GPT(cfg, seed=0)), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-
-    def ours():
-        engine.zero_grad()
-        _, loss = model(tokens, targets)
-        loss.backward()
-        engine.finish_grad_sync()
-        return loss
-
-    def theirs():
-        ddp.zero_grad(set_to_none=True)
-        loss = _loss(ddp(tokens), targets)
-        loss.backward()
-        return loss
-    return ours, theirs
-
-
-def _zero3(cfg, tokens, targets):
-    from torch.distributed.fsdp import fully_shard
-    from ..data_parallel.zero3 import ZeroStage3
-    tokens, targets = _rows(tokens, targets)
-    model = ParallelGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(dp=2)))
-    engine = ZeroStage3(model, model.grid)
-    peer = PeerGPT(GPT(cfg, seed=0))
-    for unit in [peer.embedding, *peer.layers, peer.final_norm, peer.lm_head]:   # ZeroStage3's units
-        fully_shard(unit)
-    fully_shard(peer)
+    engine, peer = make_engine(model), wrap_peer(PeerGPT(GPT(cfg, seed=0)))
 
     def ours():
         engine.zero_grad()
@@ -126,6 +99,27 @@ def _zero3(cfg, tokens, targets):
         loss.backward()
         return loss
     return ours, theirs
+
+
+def _data_parallel(cfg, tokens, targets, bucket_mb: float):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ..data_parallel import DataParallel
+    return _replica_pair(
+        cfg, tokens, targets,
+        lambda model: DataParallel(model, model.grid, bucket_numel=int(bucket_mb * 2**20) // 4),
+        lambda peer: DDP(peer, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True))
+
+
+def _zero3(cfg, tokens, targets):
+    from torch.distributed.fsdp import fully_shard
+    from ..data_parallel.zero3 import ZeroStage3
+
+    def shard(peer):
+        for unit in [peer.embedding, *peer.layers, peer.final_norm, peer.lm_head]:  # ZeroStage3's units
+            fully_shard(unit)
+        fully_shard(peer)
+        return peer
+    return _replica_pair(cfg, tokens, targets, lambda model: ZeroStage3(model, model.grid), shard)
 
 
 class _Stage(nn.Module):
