@@ -88,3 +88,17 @@ def test_a_moe_model_is_planned_with_experts_over_ep():
     assert any(o.par.ep > 1 for o in fits)      # 8 experts' weights do not fit without ep or ZeRO
     ep = step_time(cfg, Parallel(tp=2, sp=True, ep=4, dp=2), cluster, 64).terms["EP comm"]
     assert ep > 0 and step_time(cfg, Parallel(tp=2, sp=True, dp=8), cluster, 64).terms["EP comm"] == 0
+
+
+@pytest.mark.parametrize("zero, per_param", [(0, 18), (1, 6 + 12 / 8)])
+def test_fp32_gradients_are_megatrons_18_bytes_or_6_plus_12_over_d(zero, per_param):
+    """Megatron-LM's docs (distrib_optimizer.md): bf16 params with fp32 grads take 18 bytes per
+    parameter, 6 + 12/d with the distributed optimizer (ZeRO-1); bf16 grads would be 16."""
+    cfg = ModelConfig(hidden=64, n_layers=2, n_heads=4, vocab_size=128, seq_len=32)
+    su = Setup(dp=8, zero=zero, grad_dtype="float32")
+    e, psi = estimate(cfg, su), sum(rank_params_split(cfg))
+    padded = -(-psi // 8) * 8 if zero else psi
+    assert (e.params + e.grads + e.optimizer) == pytest.approx(per_param * padded, rel=1e-3)
+    assert e.grads == 2 * estimate(cfg, dataclasses.replace(su, grad_dtype=None)).grads
+    with pytest.raises(ValueError, match="grad_dtype='fp8'"):
+        estimate(cfg, dataclasses.replace(su, grad_dtype="fp8"))

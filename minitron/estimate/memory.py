@@ -11,6 +11,9 @@ schedules, the most micro-batches in flight):
       over dp by ZeRO stage as in the ZeRO paper (data_parallel/memory.py formula_bytes):
       float32 keeps 4 (params) + 4 (grads) + 8 (Adam's two moments) bytes per parameter,
       bfloat16/float16 mixed precision 2 + 2 + 12 (an fp32 master copy and two moments);
+      `grad_dtype="float32"` keeps the gradients in fp32 as Megatron-LM does (its main_grad
+      buffer: 2 + 4 + 12 = 18 bytes per parameter, 6 + 12/d with the distributed optimizer,
+      the table of Megatron-LM's docs/source/api-guide/distrib_optimizer.md);
       ZeRO-2's gradients are 2Ψ/N only when each micro-batch's gradients are reduce-scattered
       at once (`zero2_sync="each"`, DeepSpeed's way, m times the reduce-scatter traffic); minitron
       accumulates a step's micro-batches in the full buffer under no_sync and reduce-scatters
@@ -91,6 +94,7 @@ class Setup:
     recompute: str = "none"
     dtype: str = "bfloat16"
     zero2_sync: str = "last"          # ZeRO-2 under accumulation: "last" (minitron) or "each"
+    grad_dtype: str | None = None     # None: dtype's own; "float32": Megatron's fp32 main grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +180,9 @@ def _validate(cfg: ModelConfig, su: Setup) -> None:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {su.zero!r}")
     if su.dtype not in DTYPES:
         raise ValueError(f"dtype={su.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if su.grad_dtype not in (None, *DTYPES):
+        raise ValueError(f"grad_dtype={su.grad_dtype!r}: choose one of {', '.join(DTYPES)} "
+                         "(or None: the dtype's own)")
     if su.zero2_sync not in ZERO2_SYNC:
         raise ValueError(f"zero2_sync={su.zero2_sync!r}: choose one of {', '.join(ZERO2_SYNC)}")
     if su.recompute not in RECOMPUTE:
@@ -257,6 +264,8 @@ def estimate(cfg: ModelConfig, su: Setup = Setup()) -> Estimate:
     """Predicted bytes on pipeline rank 0 (one tp, cp and dp rank of it)."""
     _validate(cfg, su)
     p_bytes, g_bytes, o_bytes, precision = DTYPES[su.dtype]
+    if su.grad_dtype:
+        g_bytes = DTYPES[su.grad_dtype][1]
     dense, expert = rank_params_split(cfg, su.tp, su.pp, su.virtual, 0, su.ep)
     state = _state(dense, su.dp * su.ep, su, p_bytes, g_bytes, o_bytes)
     if expert:                                        # experts: sharded over their own dp group
