@@ -98,16 +98,13 @@ class TensorScaler:
     """The scale of one tensor of one layer (its input, weight or output gradient), over uses.
 
     scale_for(x) returns the scale to cast x with now; under delayed scaling it also records
-    x's amax in the history (a ring of the last history_len uses) and computes the next scale.
-    `stale_amax` (a planted bug, verify/plants.py): the history holds this amax, recorded
-    before, and is never written again, so every scale comes from it (max / stale_amax)."""
+    x's amax in the history (a ring of the last history_len uses) and computes the next scale."""
 
     def __init__(self, fmt: torch.dtype, recipe: FP8Recipe):
         self.fmt, self.recipe = fmt, recipe
         self.history: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.uses = 0
-        self.stale_amax: float | None = None
 
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         a, margin = amax(x), self.recipe.margin
@@ -116,16 +113,11 @@ class TensorScaler:
         if self.history is None:           # first use: no history yet (module docstring)
             self.history = torch.zeros(self.recipe.history_len, device=x.device)
             self.scale = scale_from_amax(a, self.fmt, margin)
-        if self.stale_amax is not None:
-            self.history.fill_(self.stale_amax)
-            return delayed_scale(self.history, self.fmt, margin)
         now = self.scale
         self.history[self.uses % self.recipe.history_len] = a
         self.uses += 1
         self.scale = delayed_scale(self.history, self.fmt, margin, previous=now)
         return now
-
-
 
 
 # FP8 comparisons (verify --dtype fp8, tests) against the float32 reference. Every FP8 GEMM

@@ -32,23 +32,26 @@ import torch
 import torch.nn as nn
 
 from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
+from .layers import ColumnParallelLinear, RowParallelLinear
 
 KEEP_BF16 = ("lm_head",)          # module names never cast to FP8 (the docstring says why)
 
 
 class FP8State:
-    """One layer's three scalers (input, weight, output gradient) and its planted bug, if any
-    ("double-scale": the weight's scale is divided out twice; verify/plants.py)."""
+    """One layer's three scalers (input, weight, output gradient), and the GEMM that uses them:
+    a layer holding a state calls state.linear(x, weight, bias) instead of F.linear."""
 
     def __init__(self, recipe: FP8Recipe):
         self.recipe = recipe
         self.input = TensorScaler(E4M3, recipe)
         self.weight = TensorScaler(E4M3, recipe)
         self.grad = TensorScaler(E5M2, recipe)
-        self.plant: str | None = None
 
     def scalers(self) -> tuple[TensorScaler, ...]:
         return self.input, self.weight, self.grad
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, weight, bias, self)
 
 
 def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -71,8 +74,7 @@ class _FP8Linear(torch.autograd.Function):
         s_x, s_w = state.input.scale_for(x), state.weight.scale_for(weight)
         q_x = quantize(x, s_x, E4M3).reshape(-1, x.shape[-1])       # [tokens, in]
         q_w = quantize(weight, s_w, E4M3)                           # [out, in]
-        s_wy = s_w * s_w if state.plant == "double-scale" else s_w
-        y = scaled_matmul(q_x, s_x, q_w.t(), s_wy, x.dtype).reshape(*x.shape[:-1], -1)
+        y = scaled_matmul(q_x, s_x, q_w.t(), s_w, x.dtype).reshape(*x.shape[:-1], -1)
         ctx.save_for_backward(q_x, q_w, s_x, s_w)
         ctx.state, ctx.has_bias, ctx.dtypes = state, bias is not None, (x.dtype, weight.dtype)
         return y + bias if bias is not None else y
@@ -99,7 +101,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def enable_fp8(model: nn.Module, recipe: FP8Recipe) -> list[str]:
     """Give every tensor-parallel linear layer of the blocks an FP8State (the others, KEEP_BF16,
     stay as they are); returns the names of the layers now in FP8."""
-    from .layers import ColumnParallelLinear, RowParallelLinear
     names = []
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \

@@ -24,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime.comm import Group
-from .fp8_linear import fp8_linear
 from .weight_grad import linear   # F.linear, deferrable for zero-bubble schedules (weight_grad.py)
 from .overlap import allgather_matmul, matmul_reduce_scatter   # comm_overlap: overlap.py
 from .mappings import (copy_to_tensor_model_parallel_region,
@@ -38,7 +37,7 @@ from .mappings import (copy_to_tensor_model_parallel_region,
 def _gemm(layer: nn.Module, x, weight, bias=None):
     """This layer's local GEMM: F.linear, or in FP8 once fp8_linear.enable_fp8 gave it a state."""
     state = getattr(layer, "fp8", None)
-    return linear(x, weight, bias) if state is None else fp8_linear(x, weight, bias, state)
+    return linear(x, weight, bias) if state is None else state.linear(x, weight, bias)
 
 
 def _divide(n: int, parts: int, what: str) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from ..data_parallel.zero3 import ZeroStage3
 from ..grid import Grid
+from ..tensor_parallel.fp8 import delayed_scale
 from ..tensor_parallel.fp8_linear import fp8_states
 from ..train.step import StepHooks
 
@@ -121,10 +122,10 @@ class Plant(StepHooks):
     def _install_fp8(self, model) -> None:
         for state in fp8_states(model):
             if self.kind == "fp8-double-scale":
-                state.plant = "double-scale"
+                _divide_weight_scale_twice(state)
             else:
                 for scaler in state.scalers():
-                    scaler.stale_amax = 1.0
+                    _hold_stale_amax(scaler, 1.0)
 
     def _on_rank_1(self, grid: Grid) -> bool:
         if grid.tp.size < 2:
@@ -241,3 +242,40 @@ def _never_reduce_bucket(engine, b: int) -> None:
         data = gb.grads_flat[bucket.start:bucket.end].mul_(gb.scale)
         gb.pending[k] = Pending("all_reduce", gb.group, None, data)   # done at once: nothing sent
     gb.launch = launch_all_but_b
+
+
+def _hold_stale_amax(scaler, stale: float) -> None:
+    """fp8-stale-amax: the scaler's amax history holds `stale`, recorded before, and is never
+    written again, so every scale comes from it (max / stale), whatever the tensor's amax."""
+    def scale_for(x: torch.Tensor) -> torch.Tensor:
+        scaler.history = torch.full((scaler.recipe.history_len,), stale, device=x.device)
+        return delayed_scale(scaler.history, scaler.fmt, scaler.recipe.margin)
+    scaler.scale_for = scale_for
+
+
+class _DividedOnceMore(torch.autograd.Function):
+    """Forward: y / s (rounded to y's dtype); backward: the gradient passes to y unchanged, so
+    the fault is in the forward GEMM's output alone, as a wrong rescale inside it would be."""
+    @staticmethod
+    def forward(ctx, y, s):
+        return (y.float() / s).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _divide_weight_scale_twice(state) -> None:
+    """fp8-double-scale: the layer's forward GEMM divides out the weight's scale twice,
+    y = (q_x q_w^T) / (s_x s_w^2); the backward's GEMMs stay right."""
+    weight_scale_for, linear, used = state.weight.scale_for, state.linear, []
+
+    def recorded(w: torch.Tensor) -> torch.Tensor:
+        used.append(weight_scale_for(w))
+        return used[-1]
+
+    def planted(x, weight, bias):
+        used.clear()
+        y = _DividedOnceMore.apply(linear(x, weight, None), used[-1])
+        return y + bias if bias is not None else y
+    state.weight.scale_for, state.linear = recorded, planted
