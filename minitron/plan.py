@@ -1,7 +1,7 @@
 """python -m minitron.plan: which split of a model over a cluster, and how fast.
 
 The planner is minitron/estimate/plan.py (what it enumerates and how it ranks), the step-time
-model minitron/estimate/time_model.py (every term), the GPUs minitron/estimate/hardware.py;
+model minitron/estimate/time_model.py (every term), the GPUs minitron/hardware.py;
 this is their command line. Examples:
 
     python -m minitron.plan --model gpt3-175b --gpus 1024 --gpu a100 --global-batch 1536
@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import sys
 
-from .estimate.hardware import GIB, GPUS, gpu as named_gpu
+from .hardware import GIB, GPUS, gpu as named_gpu
 from .estimate.memory import PRESETS, estimate, preset
 from .estimate.plan import RECOMPUTES, best_per_split, evaluate, plan, setup
 from .estimate.time_model import SOFTWARE, Cluster, Parallel

@@ -26,16 +26,16 @@ def test_pipeline_across_nodes_and_embedding_with_it():
                                         "embedding": [[0, 4], [1, 5], [2, 6], [3, 7]]}
 
 
-@pytest.mark.parametrize("cfg, group, nodes", [
-    (ParallelConfig(tp=8, dp=2, gpus_per_node=4), "[0-7]", 2),
-    (ParallelConfig(tp=3, dp=4), "[6-8]", 2),       # 3 does not divide 8: ranks 6, 7 | 8
-    (ParallelConfig(tp=16, gpus_per_node=4), "[0-15]", 4),
+@pytest.mark.parametrize("cfg, group, nodes, nics", [
+    (ParallelConfig(tp=8, dp=2, gpus_per_node=4), "[0-7]", 2, "4 NICs (at H100 rates 180 GB/s"),
+    (ParallelConfig(tp=3, dp=4), "[6-8]", 2, "1 NIC (at H100 rates 45 GB/s"),   # ranks 6, 7 | 8
+    (ParallelConfig(tp=16, gpus_per_node=4), "[0-15]", 4, "4 NICs (at H100 rates 180 GB/s"),
 ])
-def test_tp_across_nodes_warns_in_one_line(cfg, group, nodes):
+def test_tp_across_nodes_warns_in_one_line(cfg, group, nodes, nics):
     message = placement.tp_warning(cfg)
     assert message is not None and "\n" not in message
     assert f"tp group {group} spans {nodes} nodes" in message
-    assert "InfiniBand's 50 GB/s" in message and "NVLink's 450 GB/s" in message
+    assert f"leave each node through {nics}" in message and "not NVLink's 360" in message
 
 
 @pytest.mark.parametrize("cfg", [ParallelConfig(tp=8, dp=2), ParallelConfig(tp=4, pp=4, gpus_per_node=4),

@@ -1,13 +1,13 @@
 """The planner's time model against published runs it was not fitted to, and the planner's choices.
 
-Every constant is a hardware specification or a microbenchmark (minitron/estimate/hardware.py);
+Every constant is a hardware specification or a microbenchmark (minitron/hardware.py);
 the assumptions the papers leave open are stated in minitron/estimate/published.py. The bar:
 Calculon (Isaev et al. 2023), stock A100 description, is 8-12% off on average on Table 1.
 """
 import pytest
 
 from minitron.estimate import published
-from minitron.estimate.hardware import GPUS
+from minitron.hardware import GPUS
 from minitron.estimate.plan import candidates, evaluate, plan
 from minitron.estimate.time_model import Cluster, Parallel, gemm_seconds, step_time
 

@@ -76,7 +76,7 @@ def test_closed_form_peaks_match_the_simulated_schedules(name, virtual, pp, m):
 
 
 def test_a_moe_model_is_planned_with_experts_over_ep():
-    from minitron.estimate.hardware import GPUS
+    from minitron.hardware import GPUS
     from minitron.estimate.plan import plan
     from minitron.estimate.time_model import Cluster, Parallel, step_time
     cfg = ModelConfig(hidden=4096, n_layers=32, n_heads=32, vocab_size=51200, seq_len=4096,

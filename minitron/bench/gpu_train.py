@@ -5,7 +5,7 @@ time through minitron.train.engine.TrainingRun, three ways: eager, with the fuse
     python -m minitron.bench gpu --part train [--csv PATH] [--smoke] [--variants eager ...]
 
 Each row: median step time of the timed steps after the warm-up ones (synchronised: the step's
-kernels, not their launch), tokens/s, and MFU against the GPU's peak (estimate.flops.PEAKS) for
+kernels, not their launch), tokens/s, and MFU against the GPU's peak (minitron/hardware.py) for
 the model FLOPs of a step (6 x params x tokens plus attention, estimate.flops.iteration_flops),
 and beside it the planner's prediction for the same step on that GPU (planner_step_s: the time
 model of minitron.plan, estimate/time_model.py, on its data-sheet description of the GPU).
@@ -40,7 +40,7 @@ def gpt_350m() -> ModelConfig:
 def planner_step_s(cfg: ModelConfig, batch: int, device_name: str) -> float | None:
     """The planner's step time for this step (one GPU, the whole batch as one micro-batch), on
     the data-sheet GPU that `device_name` ("NVIDIA H200", ...) is; None for one it has no sheet of."""
-    from ..estimate.hardware import GPUS
+    from ..hardware import GPUS
     from ..estimate.time_model import Cluster, Parallel, step_time
     key = next((k for k in GPUS if k in device_name.lower()), None)
     if key is None:

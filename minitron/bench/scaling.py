@@ -33,7 +33,7 @@ import time
 import torch
 
 from ..estimate.flops import iteration_flops
-from ..estimate.hardware import cpu
+from ..hardware import cpu
 from ..estimate.time_model import Cluster, Parallel, step_time
 from ..grid import ParallelConfig, build_grid
 from ..model.config import ModelConfig
@@ -110,7 +110,7 @@ def measure_machine() -> dict:
 
 def cpu_cluster(m: dict) -> Cluster:
     """This CPU for the time model (bandwidths halved: float32 moves twice bf16's bytes)."""
-    g = cpu(m["peak"], m["mem_bw"] / 2, m["link_bw"] / 2, m["latency"], m["cores"])
+    g = cpu(m["peak"], m["mem_bw"] / 2, m["link_bw"] / 2, m["latency"])
     return Cluster(dataclasses.replace(g, matmul_eff=m["matmul_eff"]), m["cores"])
 
 

@@ -25,12 +25,10 @@ Narayanan et al. report as "achieved teraFLOP/s per GPU".
 """
 from __future__ import annotations
 
+from ..hardware import peak_of
 from ..model.config import ModelConfig
 from .activations import RECOMPUTE
 
-# Dense bf16/fp16 tensor-core peaks per GPU (vendor data sheets, no sparsity), FLOP/s.
-PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12,
-         "V100": 125e12, "T4": 65e12}
 
 
 def layer_forward_flops(cfg: ModelConfig, b: int, s: int) -> tuple[int, int]:
@@ -80,10 +78,8 @@ def detect_peak() -> tuple[float, str] | None:
         name = torch.cuda.get_device_name(0)
     except Exception:   # no driver, no torch build with CUDA: nothing to detect
         return None
-    for key, peak in PEAKS.items():
-        if key in name:
-            return peak, name
-    return None
+    peak = peak_of(name)                  # the one data-sheet table: minitron/hardware.py
+    return (peak, name) if peak else None
 
 
 def throughput(cfg: ModelConfig, batch: int, seconds: float, gpus: int = 1,

@@ -1,7 +1,7 @@
 """Published training runs and the time model's prediction for each one's own configuration.
 
 Nothing here is fitted: every constant of the time model is a hardware specification or a
-microbenchmark (hardware.py). What the papers do not state is assumed, the same way for every
+microbenchmark (minitron/hardware.py). What the papers do not state is assumed, the same way for every
 row:
   - micro-batch size 1 (Megatron's default) and the non-interleaved 1F1B schedule (v = 1);
   - FLOPs as the papers count them: Narayanan et al.'s formula with full recomputation
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..model.config import ModelConfig
-from .hardware import GPUS
+from ..hardware import GPUS
 from .time_model import Cluster, Parallel, step_time
 
 NARAYANAN_TABLE1 = [  # name, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU

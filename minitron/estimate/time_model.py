@@ -40,9 +40,10 @@ Which software runs decides two of these (SOFTWARE): Megatron-LM as of Narayanan
 2022 (accumulation fused), and Megatron-Core / minitron's engine (fused, and the data-parallel
 reduction overlapped with the backward when there is no pipeline).
 
-A group's bandwidth: inside a node, NVLink's; a group that crosses nodes with k members per node
-gets k NICs' worth (NCCL's rings leave the node once per NIC), at most NVLink's. Members per node
-follow the tp-cp-ep-dp-pp rank layout of minitron/grid.py (tp fastest).
+A group's bandwidth is minitron/hardware.py's link model: inside a node, NVLink's; a ring
+collective that crosses nodes with k members per node gets k NICs' worth (NCCL's rings leave the
+node once per NIC), at most NVLink's; a send (PP) or an all-to-all (EP) leaves through the GPU's
+own NIC. Members per node follow the tp-cp-ep-dp-pp rank layout of minitron/grid.py (tp fastest).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ import math
 
 from ..model.config import ModelConfig
 from .flops import iteration_flops
-from .hardware import GPU
+from ..hardware import GPU, point_to_point_link, ring_link, ring_seconds
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")   # fastest first, as minitron/grid.py lays ranks out
 SCHEDULE_BUBBLE = {"1f1b": 1.0, "gpipe": 1.0, "interleaved": 1.0, "zb-h1": 1 / 3}
@@ -157,20 +158,10 @@ def members_per_node(dim: str, par: Parallel, gpus_per_node: int) -> int:
 
 def link(dim: str, par: Parallel, cluster: Cluster, point_to_point: bool = False) -> tuple[float, float]:
     """(bytes/s, latency s) of one member of group `dim`, from where its members sit."""
-    g, k = cluster.gpu, members_per_node(dim, par, cluster.gpus_per_node)
-    nvlink = g.nvlink_bw * g.nvlink_eff
-    if k >= getattr(par, dim):
-        return nvlink, g.nvlink_latency
-    net = g.net_bw * g.net_eff * (1 if point_to_point else k)
-    return min(nvlink, net), g.net_latency
-
-
-def ring_seconds(nbytes: float, n: int, bw_lat: tuple[float, float], phases: int = 2) -> float:
-    """A ring all-reduce (phases=2) or all-gather / reduce-scatter (1) of an n-rank group."""
-    if n == 1:
-        return 0.0
-    bw, lat = bw_lat
-    return phases * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
+    k, size = members_per_node(dim, par, cluster.gpus_per_node), getattr(par, dim)
+    if point_to_point:                    # the link model is minitron/hardware.py's
+        return point_to_point_link(cluster.gpu, crosses_nodes=k < size)
+    return ring_link(cluster.gpu, size, k)
 
 
 def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, moe: bool) -> dict:
@@ -206,7 +197,7 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
         cp = max(0.0, send - (fwd(core) + bwd(core)))
     ep = 0.0
     if moe and par.ep > 1:
-        bw, lat = link("ep", par, cluster)
+        bw, lat = link("ep", par, cluster, point_to_point=True)   # all-to-all: own NIC
         a2a = (par.ep - 1) / par.ep * 2 * rows * cfg.topk * h / (t if par.sp else 1) / bw + lat
         ep = (6 if par.recompute == "full" else 4) * a2a
     return {"compute": compute, "memory-bound ops": memory_bound, "TP comm": tp, "CP comm": cp,

@@ -2,14 +2,9 @@
 
 A launcher numbers the GPUs of node 0 first (torchrun: rank = node_rank * nproc_per_node +
 local_rank), so rank r sits on node r // gpus_per_node. A group whose ranks sit on one node talks
-over NVLink; a group that spans nodes runs its collectives at the speed of the network between
-them, about a ninth of NVLink's on a DGX H100 (figures below, one direction per GPU: a rank's
-sent bytes divided by them give seconds, as in lesson 12).
-
-  NVLINK_BYTES_PER_S      450e9   NVIDIA H100 Tensor Core GPU datasheet (SXM5): fourth-generation
-                                  NVLink, 900 GB/s per GPU counting both directions (18 links)
-  INFINIBAND_BYTES_PER_S   50e9   NVIDIA ConnectX-7 datasheet, NDR InfiniBand: 400 Gb/s per port
-                                  and direction (a DGX H100 has one port per GPU)
+over NVLink; a group that spans nodes leaves them through the nodes' NICs: a ring collective
+with k members on each node drives k NICs (minitron/hardware.py, the one link model; the warning
+below quotes its DGX H100 figures).
 
 Tensor parallelism all-reduces between two matmuls that wait for it, every layer, so a TP group
 that leaves the node slows every step: building the grid warns (PlacementWarning, one line
@@ -23,8 +18,9 @@ from __future__ import annotations
 
 import warnings
 
-NVLINK_BYTES_PER_S = 450e9
-INFINIBAND_BYTES_PER_S = 50e9
+from ..hardware import GPUS, ring_link
+
+QUOTED_GPU = "h100"      # the machine the warning's bandwidths are quoted for
 SHOWN_GROUPS = 8         # explain() lists this many groups of a kind, then says how many more
 
 
@@ -63,10 +59,13 @@ def tp_warning(cfg) -> str | None:
         return None
     for ranks in cfg.group_ranks(("tp",)):
         if nodes_spanned(ranks, g) > 1:
+            k = min(sum(node_of(r, g) == node for r in ranks) for node in {node_of(r, g) for r in ranks})
+            gpu = GPUS[QUOTED_GPU]
+            across, inside = ring_link(gpu, len(ranks), k)[0], ring_link(gpu, len(ranks), len(ranks))[0]
             return (f"tp group {_short(ranks)} spans {nodes_spanned(ranks, g)} nodes of {g} GPUs: "
-                    f"its all-reduces run at InfiniBand's {INFINIBAND_BYTES_PER_S / 1e9:.0f} GB/s, "
-                    f"not NVLink's {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s (keep tp a divisor of "
-                    f"gpus_per_node={g})")
+                    f"its all-reduces, which every layer waits for, leave each node through {k} "
+                    f"NIC{'s' * (k > 1)} (at H100 rates {across / 1e9:.0f} GB/s of bus bandwidth, not "
+                    f"NVLink's {inside / 1e9:.0f}) and pay the network's latency at each ring step (keep tp a divisor of gpus_per_node={g})")
     return None
 
 
@@ -114,6 +113,6 @@ def _short(ranks: list[int]) -> str:
     return "[" + ", ".join(map(str, ranks)) + "]"
 
 
-__all__ = ["NVLINK_BYTES_PER_S", "INFINIBAND_BYTES_PER_S", "PlacementWarning", "node_of",
+__all__ = ["PlacementWarning", "node_of",
            "nodes_spanned", "group_kinds", "crossing_groups", "tp_warning", "warn_if_tp_crosses_nodes",
            "explain"]
