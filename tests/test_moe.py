@@ -20,6 +20,7 @@ from minitron.moe import MoE, ParallelMoE, check_moe_grid, imbalance, route
 from minitron.moe.experts import TP_DIM, shard_moe_state_dict
 from minitron.moe.router import apply_capacity, capacity, update_expert_bias
 from minitron.verify.compare import rel_err
+from minitron.verify.plants import plant_dispatch
 
 TOL = 1e-5
 CFG = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, n_experts=4,
@@ -67,7 +68,8 @@ def layer_errors(pcfg, cfg, dispatcher="alltoall", plant=None, batch=4):
     layer = ParallelMoE(cfg, grid, dispatcher)
     layer.load_state_dict(shard_moe_state_dict(ref.state_dict(), grid.ep.size, grid.ep.rank,
                                                grid.tp.size, grid.tp.rank))
-    layer.dispatcher.plant = plant
+    if plant is not None:
+        plant_dispatch(layer, plant)
     idx = _my_slice(grid, batch, cfg.seq_len)
     xp = x[idx].clone().requires_grad_()
     yp = layer(xp)

@@ -2,6 +2,8 @@
 its stage, and the routers' auxiliary losses of a stage that is not the last reach its backward
 (pipeline/executor.carry_aux_loss). The reference runs the same micro-batches, since the
 auxiliary losses are over each micro-batch (verify/steps.reference_step)."""
+import contextlib
+
 import pytest
 
 from minitron.grid import ParallelConfig
@@ -9,17 +11,20 @@ from minitron.model.config import ModelConfig
 from minitron.pipeline import executor
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, run_rank
+from minitron.verify.plants import patched
 
 CFG = ModelConfig(vocab_size=128, seq_len=16, hidden=64, n_layers=4, n_heads=4, dropout=0.1,
                   n_experts=4, topk=2)
 
 
 def _verify(grid_kw, schedule, carry=True, virtual=1):
-    if not carry:        # the planted bug, in this forked rank only: earlier stages drop their aux
-        executor.carry_aux_loss = lambda out, aux, scale: out
+    # the planted bug, in this rank while it runs (a pool's ranks outlive the test): earlier
+    # stages drop their auxiliary losses
+    dropped = patched(executor, "carry_aux_loss", lambda out, aux, scale: out)
     pcfg = ParallelConfig(**grid_kw, virtual_pp=virtual)
-    return run_rank(pcfg, CFG, 2, batch=4 * grid_kw.get("dp", 1) * grid_kw.get("ep", 1),
-                    schedule=make_schedule(schedule, pcfg.pp, 4, virtual), zero=None)
+    with contextlib.nullcontext() if carry else dropped:
+        return run_rank(pcfg, CFG, 2, batch=4 * grid_kw.get("dp", 1) * grid_kw.get("ep", 1),
+                        schedule=make_schedule(schedule, pcfg.pp, 4, virtual), zero=None)
 
 
 @pytest.mark.parametrize("grid_kw, schedule, virtual", [

@@ -163,7 +163,8 @@ def _minitron_step(ref: GPT, name: str, pp: int, virtual: int, m: int, tokens, t
     grid = build_grid(ParallelConfig(pp=pp))
     model = PipelineGPT.from_reference(ref, grid, placement=schedule.stage_rank)
     model.rng.reset(0)
-    result = run_schedule(schedule, model, tokens, targets, plant=Plant(plant) if plant else None)
+    with Plant(plant).step():
+        result = run_schedule(schedule, model, tokens, targets)
     logits = torch.cat(result.logits) if result.logits is not None else None
     # the reference's names and layout (q, k, v apart), assembled over the stages (collective)
     grads = gather_state_dict(grads_state_dict(model), ref.cfg, grid, schedule.stage_rank)

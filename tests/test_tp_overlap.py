@@ -22,6 +22,7 @@ from minitron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from minitron.train import cli as train_cli
 from minitron.verify import cli as verify_cli
 from minitron.verify.compare import rel_err
+from minitron.verify.plants import Plant
 from minitron.verify.run import verify
 
 B, S, H, FFN = 2, 8, 16, 32
@@ -56,15 +57,12 @@ def _mlp_rank(overlapped: bool, wrong_chunk: bool = False):
     y_ref = l2(F.gelu(l1(ref_x)))
     (y_ref * G).sum().backward()
     x = _seq(X, group).clone().requires_grad_()
-    overlap.plant_wrong_chunk(wrong_chunk)
-    try:
+    with Plant("tp-overlap-chunk" if wrong_chunk else None).step():
         with overlap.recording() as events:
             with comm.counting() as fwd:
                 y = fc2(F.gelu(fc1(x)))
             with comm.counting() as bwd:
                 (y * _seq(G, group)).sum().backward()
-    finally:
-        overlap.plant_wrong_chunk(False)
     db2 = comm.all_reduce(fc2.bias.grad.clone(), group)    # each rank saw only its tokens
     errs = {"y": rel_err(y, _seq(y_ref, group)), "dx": rel_err(x.grad, _seq(ref_x.grad, group)),
             "dW1": rel_err(comm.all_gather(fc1.weight.grad, group, 0), l1.weight.grad),

@@ -54,20 +54,14 @@ def combine(y_pairs: torch.Tensor, r: Routing) -> torch.Tensor:
 
 
 class AllToAllDispatcher:
-    """Steps 1-5 of the module docstring. `plant` (verify's tests): "split" gives one row of
-    the first local expert to the next in the grouped matmul, "unpermute" shifts the undoing
-    of the regrouping by one row, "route" sends the first token's first choice to an expert
-    the router did not choose."""
+    """Steps 1-5 of the module docstring."""
 
     def __init__(self, group: Group, n_experts: int, ep: int, tp: int, tp_rank: int):
         self.group, self.n_experts, self.ep, self.tp, self.tp_rank = group, n_experts, ep, tp, tp_rank
         self.local = n_experts // ep
-        self.plant: str | None = None
 
     def __call__(self, x: torch.Tensor, r: Routing, experts: GroupedExperts) -> torch.Tensor:
         n_tokens, hidden = x.shape
-        if self.plant == "route" and n_tokens:
-            r.experts = _misroute_first_token(r.experts, self.n_experts)
         top_k, n_local, n_members = r.experts.shape[1], self.local, self.group.size
         device = x.device
         # 1. permute: sorted by expert, the pairs bound for ep rank j are one block of `pairs`
@@ -99,24 +93,13 @@ class AllToAllDispatcher:
         # once per pair: by the tp rank whose number is the source's tp rank.
         adds_bias = (source_of_row % self.tp == self.tp_rank)[by_expert]
         rows_per_expert = recv_counts.sum(0).tolist()
-        if self.plant == "split" and n_local > 1 and rows_per_expert[0] > 0:
-            rows_per_expert[0], rows_per_expert[1] = rows_per_expert[0] - 1, rows_per_expert[1] + 1
         y = experts(received[by_expert], rows_per_expert, adds_bias)
         # 5. combine: back to arrival order, back to the senders (the splits swapped), and
         #    every pair's tp partial sums added up where the pair came from
         arrival_order = torch.argsort(by_expert)
-        if self.plant == "unpermute" and arrival_order.numel() > 1:
-            arrival_order = arrival_order.roll(1)
         returned = all_to_all(y[arrival_order], self.group, send_splits, recv_splits)
         y_pairs = x.new_zeros(n_tokens * top_k, hidden).index_add(0, sent_pairs, returned)
         return combine(y_pairs, r)
-
-
-def _misroute_first_token(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """The planted "route" bug: token 0's first choice replaced by the lowest expert it did not choose."""
-    wrong = experts.clone()
-    wrong[0, 0] = min(set(range(n_experts)) - set(experts[0].tolist()))
-    return wrong
 
 
 class AllGatherDispatcher:
@@ -128,7 +111,6 @@ class AllGatherDispatcher:
         self.group, self.tp, self.tp_rank = group, tp, tp_rank
         self.local = n_experts // ep
         self.first = ep_rank * self.local
-        self.plant: str | None = None
 
     def __call__(self, x: torch.Tensor, r: Routing, experts: GroupedExperts) -> torch.Tensor:
         n, h = x.shape

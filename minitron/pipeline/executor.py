@@ -78,15 +78,14 @@ def check_schedule_fits(schedule: Schedule, model: PipelineGPT, batch: int) -> N
 class _Run:
     """The state of one step on one rank: tensors waiting for their next action, by (mb, stage)."""
 
-    def __init__(self, schedule, model, tokens, targets, plant, keep_outputs, track_memory,
+    def __init__(self, schedule, model, tokens, targets, layout, keep_outputs, track_memory,
                  first_row=0):
-        self.schedule, self.model, self.plant, self.keep = schedule, model, plant, keep_outputs
+        self.schedule, self.model, self.keep = schedule, model, keep_outputs
         self.first_row = first_row
         self.grid, m = model.grid, schedule.microbatches
         self.mbs = tokens.shape[0] // m
         self.shape = message_shape(model.cfg, self.grid, self.mbs, tokens.shape[1])
-        cp = self.grid.cp            # this cp rank's chunks (a plant may cut them in another order)
-        layout = plant.cp_layout() if plant is not None else "zigzag"
+        cp = self.grid.cp            # this cp rank's chunks, cut in `layout` order
         tokens, targets = (shard_sequence(t, cp.size, cp.rank, layout) for t in (tokens, targets))
         self.tokens, self.targets = tokens.split(self.mbs), targets.split(self.mbs)
         self.last = schedule.n_stages - 1
@@ -114,8 +113,7 @@ class _Run:
             else:
                 x = self.inputs[(mb, s)]
             self.inputs[(mb, s)] = x
-            with self.plant.attention() if self.plant is not None else contextlib.nullcontext():
-                out = model.stage_forward(s, x)
+            out = model.stage_forward(s, x)
             aux = model.stage_aux_loss(s) if s != self.last else None
             if aux is not None:         # this stage's routers' terms of the loss, scaled as it is
                 out = carry_aux_loss(out, aux, 1.0 / self.schedule.microbatches)
@@ -142,17 +140,12 @@ class _Run:
                 self.input_grads[mb] = x.grad
             return
         grad_in = x.grad
-        if self.plant is not None:
-            grad_in = self.plant.pipeline_grad_in(grad_in, grad, s, self.last)
         if self._local(s - 1):
             self.grad_out[(mb, s - 1)] = grad_in
         else:
             self.grad_in[(mb, s)] = grad_in
 
     def weights(self, mb: int, s: int) -> None:
-        if self.plant is not None and self.plant.drops_w(mb, s):
-            weight_grad.STORE.queues.pop((mb, s), None)
-            return
         weight_grad.STORE.pop((mb, s))
 
     def _local(self, stage: int) -> bool:
@@ -242,15 +235,15 @@ def last_backward_tail(actions: list[Action], microbatches: int) -> int | None:
 
 
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
-                 *, plant=None, keep_outputs: bool = True, track_memory: bool = False,
+                 *, layout: str = "zigzag", keep_outputs: bool = True, track_memory: bool = False,
                  first_row: int = 0, finalize_grads: bool = True,
                  on_last_backward=None) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank;
     a cp rank runs its own chunks of every sequence).
 
     Call model.rng.reset(step seed) first, like any step; gradients accumulate into .grad and
-    are finalized (tp sums, cp average, tied-embedding sums) before it returns. `plant` (tests): a
-    verify.plants.Plant whose pipeline faults to put in. track_memory=True measures the activation
+    are finalized (tp sums, cp average, tied-embedding sums) before it returns. `layout`: the order
+    the sequences are cut in over cp (the model assumes zigzag). track_memory=True measures the activation
     memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0).
     A data-parallel replica passes its rows of the batch and `first_row`, where they start in
     the global batch (dropout masks are keyed by global row), and finalize_grads=False: its
@@ -258,7 +251,7 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     `on_last_backward()` is called once, where the rank's last micro-batch's backward begins
     (last_backward_tail): a data-parallel engine turns its sync on there."""
     check_schedule_fits(schedule, model, tokens.shape[0])
-    run = _Run(schedule, model, tokens, targets, plant, keep_outputs, track_memory, first_row)
+    run = _Run(schedule, model, tokens, targets, layout, keep_outputs, track_memory, first_row)
     weight_grad.STORE.clear()
     comm.barrier(comm.Group("world", range(model.grid.world_size)))   # one start line for the clocks
     run.run(schedule.actions[model.grid.pp.rank], on_last_backward)

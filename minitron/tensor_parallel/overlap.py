@@ -73,14 +73,6 @@ def _wait(pending: comm_async.Pending, label: str) -> None:
     _record("comm", label, pending.started, pending.finished)
 
 
-# ---- a planted bug (tests, python -m minitron.verify --plant tp-overlap-chunk) ------------
-PLANTED = {"wrong_chunk": False}   # ring_gather files each chunk under the sender's neighbour
-
-
-def plant_wrong_chunk(on: bool) -> None:
-    PLANTED["wrong_chunk"] = bool(on)
-
-
 # ---- the two rings (no autograd: forward and backward both call them) --------------------
 def _chunk(t: torch.Tensor, i: int, size: int) -> torch.Tensor:
     return t.narrow(SEQ_DIM, i * size, size)
@@ -98,7 +90,7 @@ def ring_gather(x: torch.Tensor, group: Group, compute: Callable[[int, torch.Ten
             incoming = torch.empty_like(held)
             pending = comm_async.exchange([P2P("send", held, (r + 1) % n),
                                            P2P("recv", incoming, (r - 1) % n)], group)
-        source = (r - k - 1 if PLANTED["wrong_chunk"] else r - k) % n   # who sent it first
+        source = (r - k) % n                     # who sent it first
         with _gemm(f"{what} chunk {k}"):
             compute(source, held)
         if pending is not None:

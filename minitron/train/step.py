@@ -40,21 +40,15 @@ class StepHooks:
     def cp_layout(self) -> str:
         return "zigzag"                   # the order the sequences are cut in over cp
 
-    def attention(self):
-        return contextlib.nullcontext()   # wraps the forward (a fault in attention's merge)
+    def step(self):
+        """Wraps the step's forward and backward: a verifier patches a function inside it."""
+        return contextlib.nullcontext()
 
     def grads(self, model, grid) -> None:
         """After the gradients are final, before anything reads them."""
 
     def logits(self, full: torch.Tensor) -> torch.Tensor:
         return full
-
-    # the pipeline executor's own points (pipeline/executor.py)
-    def pipeline_grad_in(self, grad_in, grad_out, stage: int, last: int):
-        return grad_in
-
-    def drops_w(self, microbatch: int, stage: int) -> bool:
-        return False
 
 
 NO_HOOKS = StepHooks()
@@ -69,7 +63,7 @@ class StepOutput:
     dx: torch.Tensor | None = None
 
 
-def parallel_step(model, tokens, targets, step_seed: int, hooks: StepHooks = NO_HOOKS, *,
+def parallel_step(model, tokens, targets, step_seed: int, *,
                   first_row: int = 0, loss_scale: float = 1.0, finish=None):
     """Forward, loss, backward and the gradient fix-up (`finish`, default model.finalize_grads)
     of one micro-batch on a rank that holds every layer; returns (X, logits shard, loss).
@@ -79,8 +73,7 @@ def parallel_step(model, tokens, targets, step_seed: int, hooks: StepHooks = NO_
         model.rng.rows_from(first_row)
     x = model.embed(tokens)
     x.retain_grad()                      # dL/dX, X = the input of the first block
-    with hooks.attention():
-        logits = model.output_layer(model.run_layers(x))
+    logits = model.output_layer(model.run_layers(x))
     loss = model.loss(logits, targets)
     (loss * loss_scale).backward()       # loss_scale: fp16, and 1/m per micro-batch
     (finish or model.finalize_grads)()
@@ -117,7 +110,7 @@ def _unpipelined(model, engine, hooks, tokens, targets, step_seed, first, microb
         with quiet:
             x, logits, loss = parallel_step(
                 model, shard_sequence(tokens[rows], cp.size, cp.rank, layout),
-                shard_sequence(targets[rows], cp.size, cp.rank, layout), step_seed, hooks,
+                shard_sequence(targets[rows], cp.size, cp.rank, layout), step_seed,
                 first_row=first + m * mb, loss_scale=loss_scale / microbatches, finish=lambda: None)
         total += loss.detach().float() / microbatches
         if keep:
@@ -148,7 +141,7 @@ def _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed, first
     def resume():
         engine.sync_enabled = True
     with quiet:
-        result = run_schedule(schedule, model, tokens, targets, plant=hooks, first_row=first,
+        result = run_schedule(schedule, model, tokens, targets, layout=hooks.cp_layout(), first_row=first,
                               keep_outputs=keep, finalize_grads=engine is None,
                               on_last_backward=resume if isinstance(engine, DataParallel) else None)
     if engine is not None:
@@ -173,12 +166,13 @@ def forward_backward(model, schedule, tokens, targets, step_seed: int, *, engine
     grid = model.grid
     rows = replica_rows(tokens.shape[0], grid)
     tokens, targets = tokens[rows], targets[rows]
-    if schedule is None:
-        loss, logits, dx = _unpipelined(model, engine, hooks, tokens, targets, step_seed,
-                                        rows.start, microbatches, loss_scale, keep_outputs)
-    else:
-        loss, logits, dx = _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed,
-                                      rows.start, keep_outputs)
+    with hooks.step():
+        if schedule is None:
+            loss, logits, dx = _unpipelined(model, engine, hooks, tokens, targets, step_seed,
+                                            rows.start, microbatches, loss_scale, keep_outputs)
+        else:
+            loss, logits, dx = _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed,
+                                          rows.start, keep_outputs)
     replicas = grid.ep_dp      # the ranks that ran other rows (cp is already gathered back)
     n = replicas.size
     if n > 1:

@@ -17,6 +17,8 @@ import torch
 
 from ..data_parallel.zero3 import ZeroStage3
 from ..grid import Grid
+from ..pipeline import executor
+from ..tensor_parallel import overlap, weight_grad
 from ..tensor_parallel.fp8 import delayed_scale
 from ..tensor_parallel.fp8_linear import fp8_states
 from ..train.step import StepHooks
@@ -47,8 +49,8 @@ PLANTS = {
                  "local expert is run by the next (minitron/moe/dispatch.py)",
     "tp-overlap-chunk": "--tp-comm-overlap: the ring all-gather files each chunk it receives "
                         "under the wrong rank (minitron/tensor_parallel/overlap.py)",
-    "moe-unpermute": "experts: undoing the regrouping is off by one row, so expert outputs return "
-                     "to the wrong tokens",
+    "moe-unpermute": "experts: the expert outputs are off by one row when the regrouping is "
+                     "undone, so they return to the wrong tokens",
     "moe-route": "experts: each rank sends its first token's first choice to an expert the router "
                  "did not choose (a token sent to the wrong expert)",
     "fp8-stale-amax": "FP8, delayed scaling: the amax history holds a stale amax of 1.0 and is never "
@@ -93,11 +95,9 @@ class Plant(StepHooks):
         return found
 
     def install(self, model) -> None:
-        """Put a dispatch fault into every MoE layer of `model` (moe-* plants), the ring's wrong
-        chunk into overlap.py (reset by every run: a pool's ranks outlive one), or a scaling fault
-        into every FP8 layer (fp8-* plants)."""
-        from ..tensor_parallel import overlap
-        overlap.plant_wrong_chunk(self.kind == "tp-overlap-chunk")
+        """Put a dispatch fault into every MoE layer of `model` (moe-* plants) or a scaling fault
+        into every FP8 layer (fp8-* plants): the model's own objects are patched, so the fault
+        ends with the model (a pool's ranks outlive one run)."""
         if self.kind == "tp-overlap-chunk" and not model.grid.tp_comm_overlap:
             raise ValueError("plant tp-overlap-chunk needs --tp-comm-overlap (with --sp)")
         if self.kind.startswith("fp8-"):
@@ -108,7 +108,22 @@ class Plant(StepHooks):
         if not layers:
             raise ValueError(f"plant {self.kind} needs a model with experts (--experts)")
         for m in layers:
-            m.dispatcher.plant = self.kind[len("moe-"):]
+            plant_dispatch(m, self.kind[len("moe-"):])
+
+    def step(self):
+        """The faults in functions every model shares (ring attention's merge, the overlapped
+        ring all-gather, the pipeline executor's backward and W), patched for the step only."""
+        stack = contextlib.ExitStack()
+        if self.kind == "cp-no-rescale":
+            stack.enter_context(merged_without_rescale())
+        elif self.kind == "tp-overlap-chunk":
+            stack.enter_context(patched(overlap, "ring_gather", _misfiled(overlap.ring_gather)))
+        elif self.kind in ("pp-wrong-stage", "pp-stale-grad"):
+            stack.enter_context(patched(executor._Run, "backward",
+                                         self._passes_back(executor._Run.backward)))
+        elif self.kind == "pp-drop-w":
+            stack.enter_context(patched(executor._Run, "weights", _drops_first_w(executor._Run.weights)))
+        return stack
 
     def check_fp8(self, recipe) -> "Plant":
         """Refuse an fp8-* plant the run cannot hold (before any rank starts)."""
@@ -151,30 +166,34 @@ class Plant(StepHooks):
         full.view(-1)[i] *= 1.01
         return full
 
-    # ---- pipeline executor faults (pipeline/executor.py asks) ----
-    def pipeline_grad_in(self, grad_in: torch.Tensor, grad_out: torch.Tensor | None, stage: int,
-                         last: int) -> torch.Tensor:
-        """What stage `stage` passes back: dL/d(input), or under pp-wrong-stage the gradient of
-        its output it was given (a middle stage only: the last stage's is the loss)."""
-        if self.kind == "pp-wrong-stage" and grad_out is not None:
-            return grad_out
-        if self.kind == "pp-stale-grad":
-            sent = self._sent.get(stage)
-            self._sent[stage] = grad_in.detach().clone()
-            return torch.zeros_like(grad_in) if sent is None else sent
-        return grad_in
+    # ---- pipeline executor faults ----
+    def _grad_in(self, grad_in: torch.Tensor, grad_out: torch.Tensor | None,
+                 stage: int) -> torch.Tensor:
+        """What stage `stage` passes back instead of dL/d(input): under pp-wrong-stage the
+        gradient of its output it was given (a middle stage only: the last stage's is the loss),
+        under pp-stale-grad the one it passed back for the previous micro-batch."""
+        if self.kind == "pp-wrong-stage":
+            return grad_in if grad_out is None else grad_out
+        sent = self._sent.get(stage)
+        self._sent[stage] = grad_in.detach().clone()
+        return torch.zeros_like(grad_in) if sent is None else sent
 
-    def drops_w(self, microbatch: int, stage: int) -> bool:
-        return self.kind == "pp-drop-w" and (microbatch, stage) == (0, 0)
+    def _passes_back(self, backward):
+        """executor._Run.backward, then what it left to pass back replaced (_grad_in)."""
+        def planted(run, mb: int, s: int, defer: bool) -> None:
+            grad_out = None if s == run.last else run.grad_out.get((mb, s))
+            backward(run, mb, s, defer)
+            if s == 0:
+                return
+            here = run._local(s - 1)          # the previous stage on this rank, or sent to it
+            store, key = (run.grad_out, (mb, s - 1)) if here else (run.grad_in, (mb, s))
+            store[key] = self._grad_in(store[key], grad_out, s)
+        return planted
 
     # ---- context-parallel faults (verify asks) ----
     def cp_layout(self) -> str:
         """The chunk order the batch is cut in (the model always assumes zigzag)."""
         return "contiguous" if self.kind == "cp-chunk-order" else "zigzag"
-
-    def attention(self):
-        """cp-no-rescale: while the forward runs, ring/all-gather blocks merge unscaled."""
-        return merged_without_rescale() if self.kind == "cp-no-rescale" else contextlib.nullcontext()
 
     # ---- data-parallel engine faults (steps.py asks, once the engine is built) ----
     def engine(self, engine) -> None:
@@ -279,3 +298,65 @@ def _divide_weight_scale_twice(state) -> None:
         y = _DividedOnceMore.apply(linear(x, weight, None), used[-1])
         return y + bias if bias is not None else y
     state.weight.scale_for, state.linear = recorded, planted
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    """owner.name = value inside the block, the original back after it."""
+    real = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def _misfiled(ring_gather):
+    """tp-overlap-chunk: overlap.ring_gather that files each chunk under the rank before the one
+    that sent it (compute(j - 1, x_j) instead of compute(j, x_j))."""
+    def planted(x, group, compute, what):
+        return ring_gather(x, group, lambda j, x_j: compute((j - 1) % group.size, x_j), what)
+    return planted
+
+
+def _drops_first_w(weights):
+    """pp-drop-w: executor._Run.weights that drops the W of micro-batch 0 on stage 0."""
+    def planted(run, mb: int, s: int) -> None:
+        if (mb, s) == (0, 0):
+            weight_grad.STORE.queues.pop((mb, s), None)
+            return
+        weights(run, mb, s)
+    return planted
+
+
+def plant_dispatch(layer, kind: str) -> None:
+    """One MoE layer's dispatch with a fault, its code untouched: the layer's dispatcher is
+    wrapped. "route": the first token's first choice goes to an expert the router did not
+    choose; "split": the grouped matmul runs one row of the first local expert with the next;
+    "unpermute": the expert outputs, in grouped order, are off by one row when the regrouping
+    is undone, so they return to the wrong tokens."""
+    if kind not in ("route", "split", "unpermute"):
+        raise ValueError(f"unknown dispatch fault {kind!r}: route, split or unpermute")
+    dispatch, n_experts = layer.dispatcher, layer.cfg.n_experts
+
+    def planted(x, r, experts):
+        if kind == "route":
+            if x.shape[0]:
+                r.experts = _misroute_first_token(r.experts, n_experts)
+            return dispatch(x, r, experts)
+
+        def faulty(rows, counts, bias_rows):
+            if kind == "unpermute":
+                return experts(rows, counts, bias_rows).roll(1, 0)
+            if len(counts) > 1 and counts[0] > 0:                      # split
+                counts = [counts[0] - 1, counts[1] + 1, *counts[2:]]
+            return experts(rows, counts, bias_rows)
+        return dispatch(x, r, faulty)
+    layer.dispatcher = planted
+
+
+def _misroute_first_token(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Token 0's first choice replaced by the lowest expert it did not choose."""
+    wrong = experts.clone()
+    wrong[0, 0] = min(set(range(n_experts)) - set(experts[0].tolist()))
+    return wrong
