@@ -1,6 +1,7 @@
 """Distributed checkpoints: saved on one grid, loaded on another, the next step's loss is the
 same; resumed on the same grid, the losses continue bit for bit; a save killed midway leaves
 the previous checkpoint whole; a bad checkpoint fails naming the file and changes nothing."""
+import contextlib
 import json
 import os
 
@@ -12,6 +13,7 @@ from minitron.grid import ParallelConfig
 from minitron.runtime.launch import RankError
 from minitron.model.config import ModelConfig
 from minitron.train.engine import TrainingRun
+from minitron.verify.faults import dies_mid_save
 
 MCFG = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=4, n_heads=4, dropout=0.1)
 BATCH = 8
@@ -85,10 +87,11 @@ def test_resume_is_bit_for_bit(run_ranks, tmp_path):
 
 
 def save_with_fault(path, fault):
-    checkpoint.FAULT_AT = fault
+    point, rank = fault
     run = make_run(dict(dp=2), 0, seed=3)
     run.step(*batch(0), 0)
-    checkpoint.save(path, run.model, run.engine, run.optimizer, step=99)
+    with dies_mid_save(point) if run.grid.rank == rank else contextlib.nullcontext():
+        checkpoint.save(path, run.model, run.engine, run.optimizer, step=99)
 
 
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(run_ranks, tmp_path):

@@ -1,8 +1,8 @@
 """python -m minitron.train --max-restarts N: a rank killed (or raising) at a chosen step stops
 the run, every rank restarts from the last complete checkpoint, and the loss curve is the
 uninterrupted run's, step for step and bit for bit (dropout on), one metrics row per step.
-The fault is planted through train/restart.FAULT_AT (the forked ranks inherit it), in the
-first attempt only."""
+The fault is planted from verify/faults.py (rank_dies_at: the forked ranks inherit its patch), in
+the first launch only."""
 import argparse
 import json
 import os
@@ -11,6 +11,7 @@ import pytest
 
 from minitron.train import cli as train, restart
 from minitron.train.out_dir import UsageError
+from minitron.verify.faults import rank_dies_at
 
 RUN = ["--steps", "6", "--hidden", "32", "--seq", "16", "--batch", "4", "--layers", "2",
        "--dropout", "0.1", "--eval-every", "3", "--save-every", "2", "--sample", "0",
@@ -38,9 +39,9 @@ def uninterrupted(tmp_path_factory):
 ])
 def test_a_dead_rank_restarts_and_the_curve_is_the_uninterrupted_one(
         uninterrupted, tmp_path, capfd, monkeypatch, fault, restarted_from):
-    monkeypatch.setattr(restart, "FAULT_AT", fault)
     out = str(tmp_path / "run")
-    assert train.main(RUN + ["--out", out, "--max-restarts", "1"]) == 0
+    with rank_dies_at(*fault):
+        assert train.main(RUN + ["--out", out, "--max-restarts", "1"]) == 0
     err = capfd.readouterr().err
     died = "died with signal SIGKILL" if fault[2] == "kill" else "raised"
     assert f"rank {fault[1]} {died}" in err and f"restart 1 of 1 from {restarted_from}" in err, err
@@ -48,8 +49,8 @@ def test_a_dead_rank_restarts_and_the_curve_is_the_uninterrupted_one(
 
 
 def test_without_restarts_a_dead_rank_ends_the_run(tmp_path, capfd, monkeypatch):
-    monkeypatch.setattr(restart, "FAULT_AT", (0, 1, "raise"))
-    assert train.main(RUN + ["--out", str(tmp_path / "run")]) == 1
+    with rank_dies_at(0, 1, "raise"):
+        assert train.main(RUN + ["--out", str(tmp_path / "run")]) == 1
     err = capfd.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("minitron.train: error: rank 1 raised") and "planted fault" in err, err
 

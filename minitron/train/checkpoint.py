@@ -53,17 +53,11 @@ MANIFEST = "manifest.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
 # Fields that change how a model runs, not what its tensors are: free to differ on load.
 RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels", "recompute"}
-FAULT_AT: tuple[str, int] | None = None   # tests: (point, rank) where that rank dies mid-save
 
 
 # ---- save ------------------------------------------------------------------------------------
 def _world(grid) -> comm.Group:
     return comm.Group("world", range(grid.world_size))
-
-
-def _die_if_planted(point: str, rank: int) -> None:
-    if FAULT_AT is not None and FAULT_AT == (point, rank):
-        os._exit(17)                      # a rank killed mid-save (tests)
 
 
 def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra: dict | None = None) -> None:
@@ -87,7 +81,6 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
     comm.barrier(_world(grid))
     dcp.save({k: v[0] for k, v in placed.items()}, planner=PlacedSavePlanner(placed),
              storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True))
-    _die_if_planted("written", grid.rank)
     comm.barrier(_world(grid))
     if grid.rank == 0:
         paths = {f: os.path.join(partial, f) for f in sorted(os.listdir(partial))}
@@ -103,7 +96,6 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _die_if_planted("manifest", 0)
         old = path + ".old"
         if os.path.exists(path):
             os.rename(path, old)          # keep the previous one until the new one is in place

@@ -66,7 +66,6 @@ def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | Non
     peak = args.peak_tflops * 1e12 if args.peak_tflops else \
         ((flops.detect_peak() if on_gpu else None) or (None,))[0]
     for step in range(start, args.steps):
-        restart.die_if_planted(step, run.grid.rank, args.attempt)
         t0 = time.perf_counter()
         run.set_lr(lr_at(step))
         loss = run.step(*loader.batch(step), step)

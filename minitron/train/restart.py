@@ -30,25 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 
 from . import checkpoint
 from ..runtime.launch import RankError, launch
 from .out_dir import UsageError, claim_out
-
-# tests: (step, rank, "kill" | "raise"): that rank dies at the start of that step (0-based),
-# in the first attempt only, so the restarted run gets past it
-FAULT_AT: tuple[int, int, str] | None = None
-
-
-def die_if_planted(step: int, rank: int, attempt: int) -> None:
-    if FAULT_AT is None or attempt > 0 or FAULT_AT[:2] != (step, rank):
-        return
-    if FAULT_AT[2] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"a planted fault at step {step + 1} on rank {rank}")
-
 
 def launch_surviving(worker, args, mcfg, pcfg, describe=str):
     """launch(worker, args, mcfg, pcfg, progress fd) on every rank; after a RankError restart
