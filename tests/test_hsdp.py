@@ -46,7 +46,7 @@ def test_bad_dp_shard_is_refused_naming_the_flag_and_a_value(capsys, monkeypatch
     assert verify_cli.main(["--tp", "1", "--dp", "4", "--dp-shard", "3", "--zero", "1"]) == 2
     assert "--dp-shard 3 must divide --dp 4" in capsys.readouterr().err
     assert verify_cli.main(["--tp", "1", "--dp", "4", "--dp-shard", "2"]) == 2      # ZeRO 0
-    assert "use --zero 1 or --zero 3 or --dp-shard 4" in capsys.readouterr().err
+    assert "use --zero 1 or --zero 3 or drop --dp-shard" in capsys.readouterr().err
     assert train_cli.main(["--dp", "4", "--dp-shard", "8", "--zero", "3"]) == 2
     assert "--dp-shard 8 must divide --dp 4: ZeRO shards over dp_shard ranks, dp/dp_shard replicas; " \
            "use --dp-shard 4" in capsys.readouterr().err

@@ -16,7 +16,8 @@ from minitron.runtime import comm
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model.config import ModelConfig
 from minitron.model.reference import GPT, init_weights
-from minitron.moe import MoE, ParallelMoE, check_moe_grid, imbalance, route
+from minitron.moe import MoE, ParallelMoE, imbalance, route
+from minitron.model.splits import validate_model
 from minitron.moe.experts import TP_DIM, shard_moe_state_dict
 from minitron.moe.router import apply_capacity, capacity, update_expert_bias
 from minitron.verify.compare import rel_err
@@ -198,12 +199,12 @@ def test_configuration_errors_say_what_to_change():
         ModelConfig(n_experts=4, recompute="full")
     with pytest.raises(ValueError, match="router never learns"):
         ModelConfig(n_experts=4, topk=1, aux_loss_coeff=0.0)
-    with pytest.raises(ValueError, match="need sequence parallelism"):
-        check_moe_grid(ParallelConfig(tp=2, ep=2), CFG)
+    with pytest.raises(ValueError, match="without SP every tp rank holds every token"):
+        validate_model(ParallelConfig(tp=2, ep=2), CFG)
     with pytest.raises(ValueError, match="not divisible by ep=3"):
-        check_moe_grid(ParallelConfig(ep=3), CFG)
+        validate_model(ParallelConfig(ep=3), CFG)
     with pytest.raises(ValueError, match="has none"):
-        check_moe_grid(ParallelConfig(ep=2), dataclasses.replace(CFG, n_experts=0))
+        validate_model(ParallelConfig(ep=2), dataclasses.replace(CFG, n_experts=0))
 
 
 def test_dense_model_is_unchanged_and_moe_every_places_the_experts():

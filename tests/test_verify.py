@@ -113,7 +113,7 @@ def test_unknown_plant_is_refused_before_launch():
 
 def test_per_rank_dropout_is_refused_before_launch():
     # Megatron's per-rank masks exist on no single device: a comparison would FAIL a correct split.
-    with pytest.raises(ValueError, match="dropout_rng='per_rank' draws masks no single device draws"):
+    with pytest.raises(ValueError, match="dropout_rng='per_rank': Megatron's per-rank dropout seeds draw masks no single device"):
         verify.verify(ParallelConfig(tp=2), ModelConfig(**SMALL, dropout_rng="per_rank"))
 
 

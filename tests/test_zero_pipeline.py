@@ -62,7 +62,7 @@ def test_refusals_left():
     sched = make_schedule("1f1b", 2, M)
     pcfg = ParallelConfig(dp=2, pp=2)
     check_supported(pcfg, ModelConfig(**BASE), torch.float32, 3, sched)   # built now
-    with pytest.raises(ValueError, match="drop --tie"):
+    with pytest.raises(ValueError, match="use tie_embeddings=False"):
         check_supported(pcfg, ModelConfig(**BASE, tie_embeddings=True), torch.float32, 3, sched)
 
 

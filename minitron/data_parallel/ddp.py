@@ -64,6 +64,7 @@ import time
 import torch
 import torch.nn as nn
 
+from .. import refusals
 from ..runtime import comm, comm_async
 from ..grid import Grid
 from ..pipeline.actions import Event
@@ -109,9 +110,8 @@ class DataParallel(GradientEngine):
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero_stage 0, 1 or 2, got {zero_stage!r}; "
                              "stage 3 shards the parameters too: use ZeroStage3")
-        if zero_stage == 0 and grid.dp_replicate.size > 1:
-            raise ValueError(f"dp_shard={grid.config.dp // grid.dp_replicate.size} shards ZeRO's state, but ZeRO 0 "
-                             f"shards nothing: use zero_stage 1, 2 or 3, or dp_shard={grid.config.dp}")
+        refusals.check(refusals.Options(dp=grid.config.dp, dp_shard=grid.config.dp_shard,
+                                        zero=zero_stage), "engine")     # HSDP needs a ZeRO stage
         self.model, self.grid, self.zero_stage = model, grid, zero_stage
         self.replicas = grid.dp_replicate
         self.names = {p: n for n, p in model.named_parameters()}

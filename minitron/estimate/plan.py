@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import refusals
 from ..model.config import ModelConfig, divisors
 from .memory import Setup, estimate
 from .time_model import Breakdown, Cluster, Parallel, step_time
@@ -69,8 +70,10 @@ def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zer
             if cfg.n_layers % (pp * v) or schedule not in schedules or (v > 1 and m % pp):
                 continue
             for zero in (zeros if dp * cp > 1 else (0,)):
-                if zero == 3 and (cfg.tie_embeddings or cfg.n_experts):
-                    continue                   # the engine refuses these (train/engine.py)
+                if refusals.refusal(refusals.Options(
+                        pp=pp, dp=dp, ep=ep, n_experts=cfg.n_experts, zero=zero,
+                        tie_embeddings=cfg.tie_embeddings), "engine"):
+                    continue                   # the engine refuses these (minitron/refusals.py)
                 for recompute in recomputes:
                     yield Parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual=v, micro_batch=mb,
                                    zero=zero, recompute=recompute, sp=sp, schedule=schedule)

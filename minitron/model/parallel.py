@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from ..context_parallel.grads import average_grads_over_cp
 from ..grid import Grid
 from .splits import validate_model
-from ..moe.layer import ParallelMoE, check_moe_grid
+from ..moe.layer import ParallelMoE
 from ..tensor_parallel.cross_entropy import (fused_vocab_parallel_cross_entropy,
                                              vocab_parallel_cross_entropy)
 from ..tensor_parallel.grads import allreduce_sequence_parallel_grads
@@ -87,7 +87,6 @@ class ParallelGPT(nn.Module):
     def __init__(self, cfg: ModelConfig, grid: Grid, seed: int = 0):
         super().__init__()
         validate_model(grid.config, cfg)
-        check_moe_grid(grid.config, cfg)
         if cfg.use_kernels:
             check_kernels(cfg, grid.device)
         self.cfg, self.grid = cfg, grid

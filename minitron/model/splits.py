@@ -1,12 +1,14 @@
 """Does a model split on a grid? Every divisibility a split needs, checked before any rank starts.
 
 Each refusal is a ConfigError (model/config.py) that names the clashing fields and the nearest
-values that work, so a command can say which flag to change and to what."""
+values that work, so a command can say which flag to change and to what; then the combinations
+of options no split model is built for (minitron/refusals.py, level model: Refused)."""
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from .. import refusals
 from ..grid import ParallelConfig, pad_vocab_size
 from .config import ConfigError, divisors, near, next_multiple
 
@@ -76,10 +78,6 @@ def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None, *,
                           {"seq_len": s, "cp": cfg.cp},
                           working("cp", cp_works)
                           + [{"seq_len": next_multiple(s, 2 * cfg.cp)}])
-    if cfg.cp > 1 and getattr(model, "recompute", "none") == "selective":
-        raise ConfigError("selective recomputation of context-parallel attention is not built: "
-                          "{recompute} with {cp}", {"recompute": "selective", "cp": cfg.cp},
-                          [{"recompute": "full"}, {"recompute": "none"}, {"cp": 1}])
     a2a = {"ulysses": "cp", "hierarchical": "cp_a2a"}.get(cfg.cp_variant)   # heads split this way
     if cfg.cp > 1 and a2a and ((heads // cfg.tp) % getattr(cfg, a2a) or (kv // cfg.tp) % getattr(cfg, a2a)):
         per_rank = math.gcd(heads // cfg.tp, kv // cfg.tp)
@@ -88,3 +86,4 @@ def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None, *,
                           "key/value heads", {"cp_variant": cfg.cp_variant, a2a: getattr(cfg, a2a)},
                           working(a2a, divisors(per_rank))
                           + [{"cp_variant": "ring"}, {"cp_variant": "allgather"}])
+    refusals.check_model(cfg, model)          # the combinations no split model is built for

@@ -4,9 +4,9 @@ all-gather token dispatch), layer.py (the expert-parallel layer), reference.py (
 expert_layout.py: which ranks form the expert groups, minitron's layout or Megatron-Core's."""
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts
-from .layer import ParallelMoE, check_moe_grid
+from .layer import ParallelMoE
 from .reference import MoE
 from .router import Routing, imbalance, route, update_expert_bias
 
 __all__ = ["MoE", "ParallelMoE", "GroupedExperts", "AllToAllDispatcher", "AllGatherDispatcher",
-           "Routing", "route", "imbalance", "update_expert_bias", "check_moe_grid"]
+           "Routing", "route", "imbalance", "update_expert_bias"]

@@ -13,8 +13,7 @@ Why EP with TP needs sequence parallelism: the dispatcher sends each token from 
 of tp_ep that holds it. Without SP every tp rank holds every token of its sequence, so each
 token would be sent, computed and returned tp times over (and counted tp times in the
 combine). With SP the tp ranks hold disjoint slices of the sequence: each token is on exactly
-one rank, as the all-to-all assumes. ParallelConfig-level rule, checked here:
-`check_moe_grid`.
+one rank, as the all-to-all assumes. A row of minitron/refusals.py (experts-tp-without-sp).
 
 The auxiliary losses and the statistics are those of the whole batch: the per-expert counts
 are summed over the ranks that hold other tokens (dense_dp, and tp under SP; an all-reduce of E
@@ -28,8 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from .. import refusals
 from ..runtime import comm
-from ..grid import Grid, ParallelConfig
+from ..grid import Grid
 from ..tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts
@@ -41,30 +41,12 @@ if TYPE_CHECKING:   # a type only: minitron.model imports this package
 DISPATCHERS = ("alltoall", "allgather")
 
 
-def check_moe_grid(pcfg: ParallelConfig, cfg: ModelConfig) -> None:
-    """The grid rules of a model with experts (ValueError with the fix)."""
-    if not cfg.n_experts:
-        if pcfg.ep > 1:
-            raise ValueError(f"ep={pcfg.ep} splits experts, but the model has none: set "
-                             "ModelConfig.n_experts (a multiple of ep) or ep=1")
-        return
-    if cfg.n_experts % pcfg.ep:
-        raise ValueError(f"n_experts={cfg.n_experts} is not divisible by ep={pcfg.ep}: every "
-                         "expert-parallel rank must own the same number of experts")
-    if pcfg.tp > 1 and not pcfg.sequence_parallel:
-        raise ValueError("MoE layers with tp > 1 need sequence parallelism (each token must live "
-                         "on one rank of the tp x ep dispatch group): add sequence_parallel=True / --sp")
-    if pcfg.cp > 1 and cfg.capacity_factor is not None:
-        raise ValueError("a capacity factor with cp > 1 is not supported (the per-sequence "
-                         "capacity would need counts across the zigzag chunks): use capacity_factor=None")
-
-
 class ParallelMoE(nn.Module):
     """This rank's share of one MoE layer; forward(x [b, s_local, h]) -> [b, s_local, h]."""
 
     def __init__(self, cfg: ModelConfig, grid: Grid, dispatcher: str = "alltoall"):
         super().__init__()
-        check_moe_grid(grid.config, cfg)
+        refusals.check_model(grid.config, cfg)
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher={dispatcher!r}: choose one of {DISPATCHERS}")
         self.cfg, self.grid = cfg, grid

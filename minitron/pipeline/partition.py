@@ -43,7 +43,6 @@ from ..model.convert import shard_state_dict, stage_layers
 from ..model.fused import check_kernels, make_model_norm
 from ..model.blocks import BlockContext, ParallelEmbedding, build_block, mark_sequence_parallel
 from ..model.parallel import ParallelGPT
-from ..moe.layer import check_moe_grid
 from ..model.reference import GPT
 from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.random import make_dropout_rng
@@ -93,7 +92,6 @@ class PipelineGPT(ParallelGPT):
             interleaved_placement(pp, grid.config.virtual_pp)
         check_placement(cfg, pp, placement)
         validate_model(dataclasses.replace(grid.config, virtual_pp=len(placement) // pp), cfg)
-        check_moe_grid(grid.config, cfg)
         if cfg.use_kernels:
             check_kernels(cfg, grid.device)
         self.cfg, self.grid, self.placement = cfg, grid, placement

@@ -30,6 +30,7 @@ import torch
 from . import checkpoint, data, restart
 from ..estimate import flops
 from ..grid import ParallelConfig
+from ..refusals import Refused
 from ..runtime.launch import RankError
 from ..runtime.process_group import end_of_run, under_torchrun
 from ..model.config import ConfigError, ModelConfig
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             claim_out(args)
     except ValueError as e:
-        print(f"minitron.train: error: {e.as_flags(FLAGS) if isinstance(e, ConfigError) else e}",
+        flagged = e.as_flags(FLAGS) if isinstance(e, (ConfigError, Refused)) else e
+        print(f"minitron.train: error: {flagged}",
               file=sys.stderr)
         return 2
     try:

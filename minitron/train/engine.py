@@ -31,21 +31,21 @@ import math
 
 import torch
 
+from .. import refusals
 from ..context_parallel import shard_sequence
 from ..data_parallel import DEFAULT_BUCKET_NUMEL, gathered_grads, gathered_params, load_grads, wrap
 from ..data_parallel.optim import FusedAdamW
 from ..data_parallel.precision import LossScaler, optimizer_step
 from ..grid import ParallelConfig, build_grid
-from ..model.config import ConfigError, ModelConfig, check_number
+from ..model.config import ModelConfig, check_number
 from ..model.convert import grads_state_dict
-from ..moe.layer import check_moe_grid
 from ..moe.router import imbalance
 from ..pipeline.partition import PipelineGPT
 from ..pipeline.schedules import V_SHAPED, make_schedule
 from ..runtime import comm
 from ..tensor_parallel.fp8 import FP8Recipe
 from ..tensor_parallel.fp8_linear import enable_fp8
-from .precision import DTYPES, SIXTEEN_BIT, fp8_refusal
+from .precision import SIXTEEN_BIT
 from .step import NO_HOOKS, StepHooks, StepOutput, forward_backward, replica_rows
 
 def resolve_schedule(pcfg: ParallelConfig, name=None, microbatches: int | None = None):
@@ -67,52 +67,13 @@ def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> b
     return pcfg.dp > 1 or pcfg.ep > 1 or zero is not None or dtype in SIXTEEN_BIT
 
 
-def dtype_refusal(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero) -> str | None:
-    """Why a run of this grid and model cannot be in `dtype` (and be compared with one device),
-    or None. One rule, so that every refusal names the same dtypes that work."""
-    if dtype == torch.float64 and uses_engine(pcfg, zero, dtype):
-        return ("the data-parallel engine (dp > 1, ep > 1 or a ZeRO stage) steps float32 master "
-                "weights (ZeroOptimizer)")
-    return None
-
-
 def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
                     zero: int | None, schedule, fp8: FP8Recipe | None = None) -> None:
-    """Refuse, before any rank starts, what the engine does not run (ValueError, with the fix)."""
-    why = fp8_refusal(mcfg, dtype, fp8, schedule)
-    if why:
-        raise ValueError(why)
-    if fp8 is not None and pcfg.tp_comm_overlap:   # overlap.py's ring GEMMs call F.linear
-        raise ValueError("--tp-comm-overlap with --dtype fp8: the ring's chunked GEMMs are not FP8 "
-                         "GEMMs yet: drop --tp-comm-overlap, or use --dtype bfloat16 with it")
+    """Refuse, before any rank starts, what the engine does not run: the rows of minitron/
+    refusals.py up to level engine (Refused, naming the options and what works instead)."""
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
-    check_moe_grid(pcfg, mcfg)
-    if mcfg.n_experts and zero == 3:
-        raise ValueError("experts run without ZeRO-3 so far (its units gather no expert "
-                         "weights): use --zero 0, 1 or 2 with --experts")
-    why = dtype_refusal(pcfg, mcfg, dtype, zero)
-    if why:
-        works = [name for name, d in DTYPES.items() if not dtype_refusal(pcfg, mcfg, d, zero)]
-        raise ConfigError("{dtype}: %s" % why, {"dtype": str(dtype).removeprefix("torch.")},
-                          [{"dtype": name} for name in works])
-    if pcfg.dp_replicate > 1 and not zero:
-        raise ConfigError("{dp_shard} shards ZeRO's state over dp_shard of the {dp} ranks, but "
-                          "{zero} shards nothing", {"dp_shard": pcfg.dp // pcfg.dp_replicate, "dp": pcfg.dp,
-                                                    "zero": zero or 0},
-                          [{"zero": 1}, {"zero": 3}, {"dp_shard": pcfg.dp}])
-    if not uses_engine(pcfg, zero, dtype):
-        return
-    refusals = [
-        (zero == 3 and mcfg.tie_embeddings and schedule is not None,
-         "ZeRO-3 holds a tied embedding gathered through each micro-batch; inside pipeline "
-         "stages its two uses sit on other stages or interleave: drop --tie, use ZeRO 0-2 or --pp 1"),
-        (dtype == torch.float16 and schedule is not None, "the pipeline executor takes no loss "
-                                                          "scale: use bfloat16 with a pipeline"),
-    ]
-    for refused, why in refusals:
-        if refused:
-            raise ValueError(why)
+    refusals.check(refusals.Options.of(pcfg, mcfg, dtype, zero, schedule, fp8), "engine")
 
 
 class _OwnGrads:

@@ -6,13 +6,13 @@
     fp8                     bfloat16 training whose block GEMMs cast their operands to FP8
                             (tensor_parallel/fp8_linear.py), by a recipe (--fp8-recipe)
 
-The command lines (train, verify, bench precision) and the engine's refusals read it from here.
+The command lines (train, verify, bench precision) and the engine read it from here; what FP8
+does not run with is in minitron/refusals.py.
 """
 from __future__ import annotations
 
 import torch
 
-from ..model.config import ModelConfig
 from ..tensor_parallel.fp8 import FP8Recipe
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -36,23 +36,3 @@ def resolve_precision(name: str, fp8_recipe: str | None = None) -> tuple[torch.d
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: choose one of {', '.join(PRECISIONS)}")
     return DTYPES[name], None
-
-
-def fp8_refusal(mcfg: ModelConfig, dtype: torch.dtype, fp8: FP8Recipe | None, schedule) -> str | None:
-    """Why FP8 GEMMs cannot run in this configuration, or None."""
-    if fp8 is None:
-        return None
-    if mcfg.n_experts:
-        return ("experts with --dtype fp8: a bf16 or FP8 router's top-k choice flips on rounding "
-                "differences (the experts run in float32 so far): use --dtype float32")
-    if dtype != torch.bfloat16:
-        return (f"FP8 GEMMs run inside bfloat16 training (bf16 activations, fp32 master weights), "
-                f"not {dtype}: use --dtype fp8 alone")
-    if schedule is not None and any(a.kind == "W" for acts in schedule.actions.values() for a in acts):
-        return (f"schedule {schedule.name} defers dL/dW (tensor_parallel/weight_grad.py), which the "
-                f"FP8 GEMMs do not yet: use --schedule 1f1b (or gpipe, interleaved) with --dtype fp8")
-    if fp8.scaling == "delayed" and mcfg.recompute == "full":
-        return ("full recomputation reruns every layer's forward, which would record each amax twice "
-                "and cast the rerun with a newer scale than the first forward: use --recompute "
-                "selective or none, or --fp8-recipe current")
-    return None

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from ..grid import CP_VARIANTS, ParallelConfig
+from ..refusals import Refused
 from ..model.splits import validate_model
 from ..model.config import CHOICES, ConfigError, ModelConfig, check_adamw
 from ..model.fused import enable_kernels
@@ -21,7 +22,7 @@ from ..train.flags import UsageError, _Parser
 from ..tensor_parallel.fp8 import RECIPES
 from ..train.engine import check_supported, resolve_schedule, uses_engine
 from ..train.precision import PRECISIONS, resolve_precision
-from .run import check_comparable, check_kernels_dtype, split_batch, verify
+from .run import check_comparable, split_batch, verify
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
 
@@ -218,14 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         validate_model(pcfg, mcfg)
         dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe)
         Plant(args.plant).check_fp8(fp8)
-        check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)
-        check_comparable(mcfg, sched, dtype, args.reference_routing)
+        check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)   # a bad ZeRO stage
+        check_comparable(pcfg, mcfg, dtype, args.zero, sched, fp8, args.reference_routing)
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
-            check_kernels_dtype(dtype)
             kernels = enable_kernels(mcfg, pcfg.world_size)   # before anything imports triton
     except (ValueError, NotImplementedError) as e:
-        print(f"error: {e.as_flags(FLAGS) if isinstance(e, ConfigError) else e}", file=sys.stderr)
+        print(f"error: {e.as_flags(FLAGS) if isinstance(e, (ConfigError, Refused)) else e}",
+              file=sys.stderr)
         return 2
     pipeline = "" if sched is None else (f"\nschedule={sched.name} microbatches={sched.microbatches} "
                                          f"virtual={sched.virtual} stage_rank={sched.stage_rank}")

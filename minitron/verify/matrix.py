@@ -7,7 +7,8 @@ pipeline rows, ZeRO stages 0, 1 and 3 in data-parallel rows (1 with experts: ZeR
 experts yet), each context-parallel variant, and bfloat16 in some rows. Each row is one
 `verify()` run: logits, loss, dL/dX, every gradient, every updated weight and the bitwise
 equality of every replica, against the single-device reference. A combination the engine does
-not run yet is printed as refused, with the reason (train.engine.check_supported).
+not run yet is printed as refused, with its row of minitron/refusals.py (the one table the
+engine and the command lines refuse from); any other error ends the matrix.
 
 `--plant KIND` puts one planted bug (verify/plants.py) into every row that holds its dimension
 (PLANT_DIMENSION: a tensor-parallel replica drifting, a stage sending back a stale gradient,
@@ -24,6 +25,7 @@ import time
 import torch
 
 from ..grid import ParallelConfig
+from ..refusals import Refused
 from ..model.config import ModelConfig
 from .run import verify
 
@@ -118,8 +120,8 @@ def run_case(case: Case, steps: int = 2, plant: str | None = None) -> Result:
     try:
         report = verify(pcfg, model_for(case), steps, dtype=case.dtype, schedule=case.schedule,
                         microbatches=4 if case.schedule else None, zero=case.zero, plant=plant)
-    except (ValueError, NotImplementedError) as e:
-        return Result(case, "refused", why=str(e).split("\n")[0])
+    except Refused as e:
+        return Result(case, "refused", why=f"{e.name}: {e.as_flags()}")
     rows = report.rows
     bounded = [r for r in rows if r.tol > 0 and r.err > 0]
     margin = min((r.tol / r.err for r in bounded), default=float("inf"))

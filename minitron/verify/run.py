@@ -5,12 +5,13 @@ import dataclasses
 
 import torch
 
+from .. import refusals
 from ..grid import ParallelConfig
 from ..model.splits import validate_model
 from ..model.config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..runtime.launch import DEFAULT_TIMEOUT, launch
-from ..train.engine import SIXTEEN_BIT, check_supported, resolve_schedule
+from ..train.engine import check_supported, resolve_schedule
 from .checks import Report
 from .plants import Plant
 from .steps import run_rank
@@ -40,18 +41,14 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     if sched is not None:     # ZB-V has two chunks per rank whatever virtual_pp says
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
-    check_supported(parallel_config, model_config, dtype, zero, sched, fp8)
-    check_comparable(model_config, sched, dtype, reference_routing)
+    check_supported(parallel_config, model_config, dtype, zero, sched, fp8)   # a bad ZeRO stage
+    check_comparable(parallel_config, model_config, dtype, zero, sched, fp8, reference_routing)
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
     Plant(plant).check_fp8(fp8)                       # an unknown plant fails here, not in a rank
-    if model_config.dropout_rng == "per_rank" and model_config.dropout > 0:
-        raise ValueError("dropout_rng='per_rank' draws masks no single device draws, so nothing can be "
-                         "compared: verify with dropout_rng='exact' (the default) or dropout=0")
     if model_config.use_kernels:
-        check_kernels_dtype(dtype)
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
                   plant, sched, zero, reference_routing, fp8, world_size=parallel_config.world_size,
@@ -59,20 +56,11 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     return Report(rows)
 
 
-def check_comparable(mcfg: ModelConfig, sched, dtype: torch.dtype = torch.float32,
-                     reference_routing: bool = False) -> None:
-    """What the engine runs but verify cannot compare with one device (ValueError)."""
-    if reference_routing and not mcfg.n_experts:
-        raise ValueError("--reference-routing imposes the reference's expert choices: it needs "
-                         "--experts N (N > 0)")
-    if mcfg.n_experts and sched is not None and (reference_routing or dtype in SIXTEEN_BIT):
-        raise ValueError("16-bit experts inside pipeline stages: verify aligns the routers' "
-                         "choices of the whole batch, not micro-batch by micro-batch, so a "
-                         "rounding flip of a top-k cannot be told from a bug: use --pp 1 or float32")
-    if mcfg.capacity_factor is not None and sched is not None:
-        raise ValueError("a capacity factor inside pipeline stages drops tokens micro-batch by "
-                         "micro-batch, and verify compares the drops of the whole batch: use "
-                         "--capacity-factor with --pp 1, or dropless routing (no --capacity-factor)")
+def check_comparable(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero, sched,
+                     fp8=None, reference_routing: bool = False) -> None:
+    """What verify refuses: the engine's refusals and what it runs but verify cannot compare
+    with one device (minitron/refusals.py, every level; Refused)."""
+    refusals.check(refusals.Options.of(pcfg, mcfg, dtype, zero, sched, fp8, reference_routing))
 
 
 def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> int:
@@ -89,9 +77,3 @@ def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> in
     who = f"dp={pcfg.dp}" if pcfg.ep == 1 else f"dp x ep={replicas}"
     raise ValueError(f"{what} {batch} cannot be cut into {who} replicas of {per_replica} "
                      f"micro-batch(es): use a multiple of {replicas * per_replica}")
-
-
-def check_kernels_dtype(dtype: torch.dtype) -> None:
-    if dtype != torch.float32:
-        raise ValueError(f"--kernels: the kernels compute in float32 (and 16-bit on a GPU), "
-                         f"so comparing them in {dtype} checks nothing more: use --dtype float32")
