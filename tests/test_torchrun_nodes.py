@@ -1,7 +1,9 @@
 """Two torchrun agents on this machine play two nodes of two ranks each (c10d rendezvous on
 127.0.0.1, gloo): `python -m minitron.train --tp 2 --dp 2` across them takes the same steps as
 under minitron.launch's forked ranks, loss for loss. Every process has a deadline: a
-rendezvous that never completes is killed, process group and all, and reported."""
+rendezvous that never completes is killed, process group and all, and reported. The agents
+meet at a store this process serves (rendezvous_store: its port is chosen by its bind, so no
+other process can take it first); neither agent hosts one."""
 import json
 import os
 import signal
@@ -9,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from minitron.runtime.process_group import free_port
+from minitron.runtime.process_group import rendezvous_store
 
 TRAIN = ["-m", "minitron.train", "--tp", "2", "--dp", "2", "--steps", "3", "--hidden", "32",
          "--seq", "16", "--batch", "4", "--layers", "2", "--save-every", "0", "--sample", "0",
@@ -50,9 +52,10 @@ def _losses(out: str) -> list[float]:
 
 
 def test_two_torchrun_nodes_train_the_losses_of_one_forked_launch(tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
+    store = rendezvous_store(DEADLINE)
     node = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+            "--rdzv-conf", "is_host=false", "--rdzv-id", "two-nodes",
             "--local-addr", "127.0.0.1", "--max-restarts", "0"]
     runs = _finish([_start(node + TRAIN + ["--out", str(tmp_path / "nodes")]) for _ in range(2)]
                    + [_start(TRAIN + ["--out", str(tmp_path / "forked")])])   # all at once

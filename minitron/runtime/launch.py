@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 from . import comm
 from .deadline import Deadline, heartbeat
-from .process_group import (check_can_fork, free_port, init_process_group, launch_under_torchrun,
-                            pick_backend, under_torchrun)
+from .process_group import (check_can_fork, init_process_group, launch_under_torchrun,
+                            pick_backend, rendezvous_store, under_torchrun)
 from .rank_output import append_only_file, capture_output, dumps_for_parent, read_log
 
 DEFAULT_TIMEOUT = float(os.environ.get("MINITRON_TIMEOUT", "120"))
@@ -77,14 +77,19 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
     check_can_fork(backend)
     _import_before_forking()
     ranks = [_Rank(r, world_size, log=True) for r in range(world_size)]
-    port = free_port()
+    store = None
     try:  # a failed start, or Ctrl-C in a notebook, must not leave the started ranks behind
         for r in ranks:
-            r.start(_child_main, (r.rank, world_size, port, backend, timeout, fn, args, kwargs))
+            r.start(_child_main, (r.rank, world_size, backend, timeout, fn, args, kwargs))
+        store = _meet_at(rendezvous_store(timeout), ranks)  # served until the ranks are done
         return _collect(ranks, echo, timeout)
     finally:
         for r in ranks:
             r.kill()
+        # Stop the store now. Kept alive by a traceback the caller holds, it would be garbage-
+        # collected later, maybe in a later launch's forked rank, which has no server thread
+        # for its destructor to stop (a segfault).
+        store = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -109,6 +114,12 @@ class _Rank:
         self.process.start()
         self.child_conn.close()
 
+    def tell_port(self, port: int):
+        try:
+            self.parent_conn.send_bytes(str(port).encode())
+        except OSError:  # it died already: its sentinel says so, with its exit code
+            pass
+
     def doing(self) -> str:
         return self.status.value.decode(errors="replace") or "starting up"
 
@@ -125,8 +136,18 @@ class _Rank:
             self.log_fd = None
 
 
-def _enter_rank(rank: int, world_size: int, port: int, status, progress, parent_pid: int):
-    """What every forked rank does first; returns the function that publishes what it is doing."""
+def _meet_at(store, ranks: list[_Rank]):
+    """Tell the forked ranks the port of the store they meet at, which is started only after
+    the forks: a rank forked while the store's server thread ran could inherit a lock that
+    thread held. Returns the store, for the caller to keep until the ranks are done."""
+    for r in ranks:
+        r.tell_port(store.port)
+    return store
+
+
+def _enter_rank(rank: int, world_size: int, conn, status, progress, parent_pid: int) -> tuple:
+    """What every forked rank does first; returns the port of the store the ranks meet at
+    (the parent's first message) and the function that publishes what the rank is doing."""
     # A forked child whose parent already used torch's thread pool deadlocks at its first
     # matmul unless it resets the pool to one thread (with 2 threads, or untouched, it hangs:
     # OpenMP is not fork-safe). GPU ranks too: their CPU work (batches, init) is small. Under
@@ -134,9 +155,6 @@ def _enter_rank(rank: int, world_size: int, port: int, status, progress, parent_
     torch.set_num_threads(1)
     global _in_worker
     _in_worker = True
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
     # Die with the parent, even when it is SIGKILLed (a crashed notebook kernel, a killed
     # pytest): each rank inherited a copy of its own pipe's parent end, so it would never see
     # that pipe close and would wait on it forever. Linux only (prctl PR_SET_PDEATHSIG = 1).
@@ -147,6 +165,10 @@ def _enter_rank(rank: int, world_size: int, port: int, status, progress, parent_
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+    port = int(conn.recv_bytes())   # the parent's first message (it kills us if it fails first)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
 
     def publish(what: str):
         status.value = what.encode()[:_STATUS_LEN - 1]
@@ -154,16 +176,16 @@ def _enter_rank(rank: int, world_size: int, port: int, status, progress, parent_
 
     comm.set_status_hook(publish)
     publish("init_process_group")
-    return publish
+    return port, publish
 
 
-def _child_main(rank, world_size, port, backend, timeout, fn, args, kwargs, conn, status,
+def _child_main(rank, world_size, backend, timeout, fn, args, kwargs, conn, status,
                 progress, log_fd, parent_pid):
-    publish = _enter_rank(rank, world_size, port, status, progress, parent_pid)
+    port, publish = _enter_rank(rank, world_size, conn, status, progress, parent_pid)
     out = capture_output(log_fd)
     threading.Thread(target=heartbeat, args=(progress,), daemon=True).start()
     try:
-        init_process_group(backend, rank, world_size, timeout)
+        init_process_group(backend, rank, world_size, timeout, port)
         publish("running")
         payload = ("ok", fn(*args, **kwargs))
     except BaseException:

@@ -11,9 +11,9 @@ import traceback
 from typing import Any, Callable
 
 from .deadline import Deadline, heartbeat
-from .launch import (DEFAULT_TIMEOUT, RankError, _enter_rank, _exit_reason, _raise_if_a_peer_died,
-                     _raise_if_a_peer_stalled, _Rank)
-from .process_group import check_can_fork, free_port, init_process_group, pick_backend
+from .launch import (DEFAULT_TIMEOUT, RankError, _enter_rank, _exit_reason, _meet_at,
+                     _raise_if_a_peer_died, _raise_if_a_peer_stalled, _Rank)
+from .process_group import check_can_fork, init_process_group, pick_backend, rendezvous_store
 from .rank_output import dumps_for_parent
 
 
@@ -30,14 +30,15 @@ class WorkerPool:
         self.world_size, self.timeout = world_size, timeout
         self.backend = backend or pick_backend(world_size)
         self.ranks: list[_Rank] = []
+        self.store = None   # where the ranks met; served as long as they live (new_group meets there)
 
     def _start(self):
         check_can_fork(self.backend)
         self.ranks = [_Rank(r, self.world_size) for r in range(self.world_size)]
-        port = free_port()
         try:
             for r in self.ranks:
-                r.start(_pool_main, (r.rank, self.world_size, port, self.backend, self.timeout))
+                r.start(_pool_main, (r.rank, self.world_size, self.backend, self.timeout))
+            self.store = _meet_at(rendezvous_store(self.timeout), self.ranks)
         except BaseException:
             self.close()
             raise
@@ -90,15 +91,14 @@ class WorkerPool:
     def close(self):
         for r in self.ranks:
             r.kill()
-        self.ranks = []
+        self.ranks, self.store = [], None
 
 
-def _pool_main(rank, world_size, port, backend, timeout, conn, status, progress, log_fd,
-               parent_pid):
+def _pool_main(rank, world_size, backend, timeout, conn, status, progress, log_fd, parent_pid):
     # Output is not captured: pytest captures it per test (log_fd is None: pool ranks have none).
-    publish = _enter_rank(rank, world_size, port, status, progress, parent_pid)
+    port, publish = _enter_rank(rank, world_size, conn, status, progress, parent_pid)
     threading.Thread(target=heartbeat, args=(progress,), daemon=True).start()
-    init_process_group(backend, rank, world_size, timeout)
+    init_process_group(backend, rank, world_size, timeout, port)
     while True:
         publish("waiting for a job")
         try:

@@ -4,6 +4,12 @@ launch.py forks ranks on one machine and calls init_process_group in each; under
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the processes already exist, and
 launch_under_torchrun runs the function on this one, gathers every rank's result and prints as a
 forked launch does: once.
+
+Forked ranks meet at a store their parent serves (rendezvous_store): the parent binds port 0, so
+the OS picks the port as it binds it and no other process can take it in between, as it could
+take a port that was found free, closed, and handed on for rank 0 to bind a moment later. gloo's
+own connections need nothing: each rank listens on a port its bind picks, and publishes it in
+the store.
 """
 from __future__ import annotations
 
@@ -66,7 +72,20 @@ def check_can_fork(backend: str) -> None:
                            "function, pass backend='gloo', or run the script under torchrun.")
 
 
-def init_process_group(backend: str, rank: int, world_size: int, timeout: float) -> None:
+def rendezvous_store(timeout: float) -> dist.TCPStore:
+    """A store served by this process on a port chosen by its own bind (port 0), for ranks to
+    meet at: forked ranks (launch, WorkerPool) join it as clients (init_process_group's `port`),
+    and torchrun agents standing for nodes on this machine do too (`--rdzv-endpoint
+    127.0.0.1:PORT --rdzv-conf is_host=false`). It must outlive them: every later new_group
+    meets there as well. It stops when the object is dropped."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout: float,
+                       port: int | None = None) -> None:
+    """Join the group: at the parent's rendezvous_store on `port` (forked ranks), else where
+    the environment says (torchrun's MASTER_ADDR and MASTER_PORT)."""
     options = {}
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -78,7 +97,9 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float)
         options = group_options(backend, local_rank)
     comm.TIMEOUT = datetime.timedelta(seconds=timeout)  # every later group gets it too
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if under_torchrun() and attempt not in ("", "0"):
+    if port is not None:
+        options["store"] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=comm.TIMEOUT)
+    elif under_torchrun() and attempt not in ("", "0"):
         # torchrun restarted the group: its store still holds the dead attempt's addresses
         # under the same keys, and gloo would connect to those; this attempt's keys are its own
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=comm.TIMEOUT))
@@ -88,6 +109,9 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float)
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Another process may take it before it is bound
+    again, so minitron's own rendezvous never uses it (rendezvous_store binds as it chooses);
+    kept only for lesson 14's torchrun nodes until they meet at a rendezvous_store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
