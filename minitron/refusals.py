@@ -235,11 +235,6 @@ TABLE: tuple[Refusal, ...] = (
          "the ring's chunked GEMMs (tensor_parallel/overlap.py) are not FP8 GEMMs yet",
          [{"tp_comm_overlap": False}, {"dtype": "bfloat16"}],
          "--tp 2 --sp --tp-comm-overlap --dtype fp8"),
-    _row("experts-zero3", "engine", ("n_experts", "zero"),
-         lambda o: o.n_experts and o.zero == 3,
-         "ZeRO-3's units gather dense weights over dense_dp; expert weights live on their ep rank "
-         "and are replicated over dp x cp, which no unit gathers over yet",
-         [{"zero": 1}, {"zero": 2}], "--tp 1 --ep 2 --experts 4 --dp 2 --zero 3"),
     _row("float64-engine", "engine", ("dtype",),
          lambda o: o.dtype == "float64" and o.engine,
          "the data-parallel engine (dp > 1, ep > 1, a ZeRO stage or 16 bits) steps float32 master "

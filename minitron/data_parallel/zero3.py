@@ -19,7 +19,7 @@ from ..runtime import comm, comm_async
 from ..grid import Grid
 from ..tensor_parallel import weight_grad
 from .buffer import FlatLayout, flatten_into
-from .ddp import sum_sequence_parallel_grads
+from .ddp import reduction_group, sum_sequence_parallel_grads
 from .engine_api import GradientEngine, Piece
 
 
@@ -34,6 +34,36 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     first = [model.embedding] if hasattr(model, "embedding") else []
     last = [getattr(model, name) for name in ("final_norm", "lm_head") if hasattr(model, name)]
     return first + list(layers) + last
+
+
+def _is_expert(p: nn.Parameter) -> bool:
+    return getattr(p, "allreduce", True) is False          # moe/layer.py marks them
+
+
+def split_expert_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, its parameters) for `module`'s unit and, apart, for each largest submodule that
+    holds only expert parameters (an MoE layer's GroupedExperts): those are summed and sharded
+    over dp_cp, not dense_dp (ddp.reduction_group), so they are gathered by a unit of their own,
+    inside the layer's, around the experts' own forward and backward."""
+    def experts_only(m):
+        ps = [p for p in m.parameters() if p.requires_grad]
+        return bool(ps) and all(_is_expert(p) for p in ps)
+
+    if experts_only(module):
+        return [(module, [p for p in module.parameters() if p.requires_grad])]
+    nested = []
+
+    def walk(m):
+        for child in m.children():
+            (nested.append if experts_only(child) else walk)(child)
+    walk(module)
+    inner = {p for n in nested for p in n.parameters()}
+    own = [p for p in module.parameters() if p.requires_grad and p not in inner]
+    if any(_is_expert(p) for p in own):
+        raise ValueError(f"ZeroStage3: {type(module).__name__} holds expert parameters outside a "
+                         "submodule of experts only: give them one (units= to choose by hand)")
+    return ([(module, own)] if own else []) + \
+        [(n, [p for p in n.parameters() if p.requires_grad]) for n in nested]
 
 
 class _FreeAfterBackward(torch.autograd.Function):
@@ -55,8 +85,7 @@ class _Unit:
     """One module's parameters: a persistent 1/n shard and a full buffer that exists only
     while gathered (its storage is resized to 0 in between; the parameters stay views of it)."""
 
-    def __init__(self, module: nn.Module, group, rank: int):
-        params = [p for p in module.parameters() if p.requires_grad]
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], group, rank: int):
         n = group.size
         self.module, self.group, self.params = module, group, params
         self.layout = FlatLayout(params, None, pad_to=n)
@@ -133,7 +162,14 @@ class ZeroStage3(GradientEngine):
     its gradients are in). Every forward and every backward gathers anew, so with m
     micro-batches a unit is gathered 2m times per step, always from the same shard (the
     optimizer only writes it after the step): every micro-batch sees the same weights.
-    Dense parameters only (experts would shard over dp_cp).
+
+    Experts: an MoE layer's expert weights are summed over dp_cp, the ranks that hold the same
+    experts (ddp.py), not dense_dp; so they form a unit of their own (split_expert_units), sharded
+    over dp_cp and gathered around the experts' forward and backward inside the layer's unit,
+    whose dense weights are sharded over dense_dp as usual. Both are averaged by 1/dense_dp, as
+    in DataParallel, and per micro-batch each costs 3 (N-1)/N of its bytes over its own group
+    (N = dense_dp or dp_cp). Megatron-Core's distributed optimizer shards expert state over its
+    expert-data-parallel group the same way.
 
     Hybrid sharding (HSDP, grid.dp_shard < dp): units are sharded over dense_dp_shard only, so
     every gather and reduce-scatter stays inside it; the micro-batches' sum in the gradient
@@ -178,21 +214,19 @@ class ZeroStage3(GradientEngine):
 
     def __init__(self, model: nn.Module, grid: Grid, units: list[nn.Module] | None = None):
         self.model, self.grid = model, grid
-        units = units if units is not None else default_units(model)
+        units = [piece for m in (units if units is not None else default_units(model))
+                 for piece in split_expert_units(m)]
         self.names = {p: n for n, p in model.named_parameters()}
-        owned = [p for u in units for p in u.parameters() if p.requires_grad]
+        owned = [p for _, ps in units for p in ps]
         wanted = [p for p in model.parameters() if p.requires_grad]
         if len(owned) != len(set(owned)) or set(owned) != set(wanted):
             raise ValueError("ZeroStage3 units must hold every trainable parameter exactly once: "
                              f"{len(set(wanted) - set(owned))} left out, "
                              f"{len(owned) - len(set(owned))} in two units")
-        if any(getattr(p, "allreduce", True) is False for p in wanted):
-            raise ValueError("ZeroStage3 shards dense parameters over dense_dp; expert parameters "
-                             "(allreduce=False) are not supported yet: use DataParallel")
         self.group, self.replicas = grid.dense_dp_shard, grid.dp_replicate   # HSDP: see below
         self.scale = 1.0 / grid.dense_dp.size
-        rank = self.group.rank
-        self.units = [_Unit(u, self.group, rank) for u in units]
+        groups = [reduction_group(ps[0], grid) for _, ps in units]   # dense_dp or dp_cp (shards)
+        self.units = [_Unit(m, ps, g, g.rank) for (m, ps), g in zip(units, groups)]
         # All shards end to end in one tensor (and the gradient shards in another), so the
         # optimizer steps them as one flat tensor, as it does a DataParallel bucket.
         self.shards = torch.cat([u.shard for u in self.units])
