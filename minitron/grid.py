@@ -43,6 +43,7 @@ from itertools import product
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
 from .runtime import comm, placement
 from .runtime.comm import Group
 from .subgroups import SUBGROUP_DIMS, digit_sizes, expand, same_group, settle_splits, split_size
@@ -91,7 +92,6 @@ class ParallelConfig:
     tp_comm_overlap: bool = False
 
     def __post_init__(self):
-        from .model.config import ConfigError   # here: minitron.model imports this module
         for name in (*DIMS, "virtual_pp", "gpus_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -172,20 +172,24 @@ class ParallelConfig:
         """Each group kind's groups whose ranks sit on more than one node (runtime/placement.py)."""
         return placement.crossing_groups(self)
 
+    def group_kinds(self) -> dict[str, list[list[int]]]:
+        """Every kind of group the grid builds (GROUP_DIMS), and the embedding's: {name: groups}."""
+        kinds = {name: self.group_ranks(dims) for name, dims in GROUP_DIMS.items()}
+        kinds["embedding"] = self.embedding_ranks()
+        return kinds
+
     def embedding_ranks(self) -> list[list[int]]:
         """First and last pipeline stage of every pipeline (one rank when pp == 1)."""
         return [sorted({g[0], g[-1]}) for g in self.group_ranks(("pp",))]
 
     # ---- validation: fail before any communication, say what to change ----
-    def validate(self, world_size: int | None = None, model=None, seq_len: int | None = None) -> None:
+    # (whether a model splits on this grid is the model's check: model/splits.validate_model)
+    def validate(self, world_size: int | None = None) -> None:
         if world_size is not None and world_size != self.world_size:
             raise ValueError(
                 f"world size {world_size} != tp*cp*ep*dp*pp = {self.tp}*{self.cp}*{self.ep}*"
                 f"{self.dp}*{self.pp} = {self.world_size}: launch {self.world_size} ranks or change "
                 f"the split so the product is {world_size}")
-        if model is not None:
-            from .model.splits import validate_model   # minitron.model imports this module
-            validate_model(self, model, seq_len)
 
 
 class Grid:

@@ -18,7 +18,7 @@ from .hardware import GIB, GPUS, gpu as named_gpu
 from .estimate.memory import PRESETS, estimate, preset
 from .estimate.plan import RECOMPUTES, best_per_split, evaluate, plan, setup
 from .estimate.time_model import SOFTWARE, Cluster, Parallel
-from .model.config import ModelConfig
+from .config import ModelConfig
 
 EXPLAIN_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "v": "virtual",
                 "virtual": "virtual", "mb": "micro_batch", "zero": "zero", "recompute": "recompute",

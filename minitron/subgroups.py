@@ -23,6 +23,8 @@ dp_replicate has one rank: nothing new is built and nothing changes.
 """
 from __future__ import annotations
 
+from .config import ConfigError, divisors, near
+
 # a split dimension -> its two digits, fastest first
 SPLITS = {"dp": ("dp_shard", "dp_replicate"), "cp": ("cp_a2a", "cp_ring")}
 
@@ -71,7 +73,6 @@ def settle_splits(cfg) -> None:
     """ParallelConfig's check of dp_shard and cp_a2a. The whole dimension is stored as None,
     the default, so that equal splits compare equal and dataclasses.replace(cfg, dp=8) keeps
     'all of dp' rather than an old number (hierarchical cp keeps its cp_a2a as given)."""
-    from .model.config import ConfigError   # minitron.model imports the grid
     hierarchical = cfg.cp_variant == "hierarchical"
     if hierarchical and cfg.cp_a2a is None:
         raise ConfigError("{cp_variant} needs the all-to-all group's size, cp_a2a (a divisor "
@@ -92,7 +93,6 @@ def settle_splits(cfg) -> None:
 
 def check_split(cfg, dim: str, inner: str, why: str) -> None:
     """inner must divide dim (ConfigError naming both and divisors that work)."""
-    from .model.config import ConfigError, divisors, near   # minitron.model imports the grid
     value, whole = getattr(cfg, inner), getattr(cfg, dim)
     if value is None:
         return

@@ -15,7 +15,7 @@ import pytest
 from minitron.bench import cli as bench_cli, overhead as bench, overlap as bench_overlap
 from minitron.bench import kernels as kernels_bench
 from minitron.kernels import ops
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
 PATHS = {"ParallelGPT, tp=1": "1.10", "pipeline pp=1, 1f1b m=1": "1.05",

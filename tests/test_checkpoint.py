@@ -11,7 +11,7 @@ import torch
 from minitron.train import checkpoint
 from minitron.grid import ParallelConfig
 from minitron.runtime.launch import RankError
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.train.engine import TrainingRun
 from minitron.verify.faults import dies_mid_save
 

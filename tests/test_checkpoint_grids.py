@@ -4,7 +4,7 @@ grid, loaded at another, the next step's loss is the same (tolerance as tests/te
 import pytest
 
 from minitron.grid import ParallelConfig
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.train import checkpoint
 from minitron.train.engine import TrainingRun
 from minitron.verify import make_batch

@@ -8,7 +8,7 @@ from minitron import verify
 from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig
 from minitron.model.splits import validate_model
-from minitron.model.config import ConfigError, ModelConfig, check_adamw
+from minitron.config import ConfigError, ModelConfig, check_adamw
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from minitron.model.splits import validate_model
 from minitron.model import ModelConfig
 from minitron.pipeline import executor
 from minitron.pipeline.check import check
-from minitron.pipeline.partition import PipelineGPT
+from minitron.model.stages import PipelineGPT
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, make_batch, run_rank
 

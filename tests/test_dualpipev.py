@@ -16,7 +16,7 @@ from minitron.grid import ParallelConfig, build_grid
 from minitron.model import ModelConfig
 from minitron.pipeline import Costs, ScheduleError, check, make_schedule, simulate
 from minitron.pipeline.executor import run_schedule
-from minitron.pipeline.partition import PipelineGPT
+from minitron.model.stages import PipelineGPT
 from minitron.verify import Report, make_batch, run_rank
 from minitron.pipeline.actions import BW, B, F, RECV_B
 from minitron.pipeline.simulate import idle_per_rank

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minitron.grid import ParallelConfig
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.runtime import comm
 from minitron.train import engine as engine_mod
 from minitron.train.engine import TrainingRun

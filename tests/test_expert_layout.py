@@ -3,9 +3,9 @@ algorithm, transcribed below as the oracle."""
 import pytest
 
 from minitron.grid import GROUP_DIMS, ParallelConfig
-from minitron.model.config import ConfigError
+from minitron.config import ConfigError
+from minitron.moe import expert_layout
 from minitron.moe.expert_layout import expert_groups
-from minitron.runtime import placement
 
 
 # ---- the oracle: NVIDIA/Megatron-LM, megatron/core/parallel_state.py (main, August 2026),
@@ -132,7 +132,7 @@ def test_bad_expert_sizes_are_refused_with_values_that_work():
 
 
 def test_explain_lists_megatron_cores_expert_groups():
-    text = placement.explain(ParallelConfig(cp=2, ep=2), "megatron-core")
+    text = expert_layout.explain(ParallelConfig(cp=2, ep=2), "megatron-core")
     assert "expert groups, megatron-core layout (expert tp 1, expert dp 2):" in text
     assert "  ep              2 x 2   inside a node              [0, 1], [2, 3]" in text
     assert "  expert_dp       2 x 2   inside a node              [0, 2], [1, 3]" in text

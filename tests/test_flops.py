@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from minitron import flops as flops_cli
 from minitron.estimate import flops
 from minitron.estimate.memory import PRESETS, rank_params
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.reference import GPT
 from minitron.model.recompute import checkpoint
 

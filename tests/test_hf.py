@@ -7,7 +7,7 @@ import torch
 
 from minitron.train import hf
 from minitron.grid import ParallelConfig, build_grid
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.reference import GPT
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

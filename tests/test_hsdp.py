@@ -14,7 +14,7 @@ from minitron.data_parallel import formula_bytes, hsdp_wire_bytes, measure, traf
 from minitron.train.step import forward_backward
 from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid
 from minitron.model import ModelConfig, ParallelGPT
-from minitron.model.config import ConfigError
+from minitron.config import ConfigError
 from minitron.runtime import comm
 from minitron.subgroups import SUBGROUP_DIMS
 from minitron.train import cli as train_cli

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minitron.grid import ParallelConfig, build_grid
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
 from minitron.train.step import parallel_step
 from minitron.verify import make_batch

@@ -12,7 +12,7 @@ from minitron.grid import ParallelConfig, build_grid
 from minitron.estimate.memory import PRESETS, Setup, estimate, rank_params
 from minitron.memory import main
 from minitron.estimate.activations import PAPER, layer_bytes
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from minitron.context_parallel.measure import saved_bytes
 from minitron.grid import ParallelConfig, build_grid
 from minitron.estimate.activations import MINITRON, PAPER, layer_bytes, layer_terms
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
 
 SHAPES = [dict(b=1, s=2048, h=12288, a=96), dict(b=4, s=512, h=1024, a=16), dict(b=2, s=16, h=32, a=8)]

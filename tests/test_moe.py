@@ -14,7 +14,7 @@ import torch
 
 from minitron.runtime import comm
 from minitron.grid import ParallelConfig, build_grid
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.reference import GPT, init_weights
 from minitron.moe import MoE, ParallelMoE, imbalance, route
 from minitron.model.splits import validate_model

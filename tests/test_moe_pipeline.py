@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from minitron.grid import ParallelConfig
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.pipeline import executor
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, run_rank

@@ -24,7 +24,7 @@ from minitron.pipeline import executor, measure
 from minitron.pipeline.actions import BW, F
 from minitron.pipeline.check import check
 from minitron.pipeline.p2p import check_message_order
-from minitron.pipeline.partition import PipelineGPT, check_placement
+from minitron.model.stages import PipelineGPT, check_placement
 from minitron.pipeline.schedules import make_schedule
 from minitron.tensor_parallel import weight_grad
 from minitron.verify import Report, make_batch, run_rank

@@ -44,13 +44,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minitron.grid import ParallelConfig, build_grid
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.convert import gather_state_dict, grads_state_dict, stage_layers
 from minitron.model.reference import GPT
 from minitron.pipeline import make_schedule
 from minitron.pipeline.actions import BW, B, W
 from minitron.pipeline.executor import run_schedule
-from minitron.pipeline.partition import PipelineGPT
+from minitron.model.stages import PipelineGPT
 from minitron.verify import make_batch, reference_step
 from minitron.verify.checks import FLOOR, float32_tolerance
 from minitron.verify.plants import Plant

@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid
-from minitron.model.config import ConfigError
+from minitron.config import ConfigError
 from minitron.runtime import placement
 from minitron.verify import cli
 

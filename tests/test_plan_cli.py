@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from minitron import plan as plan_cli
 from minitron.estimate.memory import Setup, _schedule_peak, closed_form_peak, estimate, rank_params_split
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.convert import reference_shapes
 
 

@@ -11,7 +11,7 @@ import minitron.model.recompute as recompute
 from minitron.context_parallel.measure import saved_bytes
 from minitron.grid import ParallelConfig, build_grid
 from minitron.estimate.memory import Setup, activation_bytes_per_layer
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.model.parallel import ParallelGPT
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, hidden=32, n_layers=2, n_heads=8, dropout=0.1)

@@ -10,7 +10,7 @@ import torch
 
 from minitron import refusals
 from minitron.grid import ParallelConfig
-from minitron.model.config import ModelConfig
+from minitron.config import ModelConfig
 from minitron.pipeline.schedules import SCHEDULES, make_schedule
 from minitron.refusals import TABLE, Options, Refused
 from minitron.train import cli as train_cli

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minitron.grid import ParallelConfig, build_grid
-from minitron.model.config import ConfigError, ModelConfig
+from minitron.config import ConfigError, ModelConfig
 from minitron.runtime import comm
 from minitron.tensor_parallel import overlap
 from minitron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

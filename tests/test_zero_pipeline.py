@@ -19,7 +19,7 @@ from minitron.data_parallel import (ZeroOptimizer, ZeroStage3, formula_bytes, me
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import ModelConfig
 from minitron.pipeline.executor import run_schedule
-from minitron.pipeline.partition import PipelineGPT
+from minitron.model.stages import PipelineGPT
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, make_batch, run_rank
 from minitron.train.engine import check_supported

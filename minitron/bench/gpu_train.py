@@ -23,7 +23,7 @@ import torch
 from ..estimate import flops
 from ..estimate.memory import rank_params
 from ..grid import ParallelConfig
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 VARIANTS = ("eager", "kernels", "compile")
 BATCH, WARMUP, TIMED = 8, 2, 3

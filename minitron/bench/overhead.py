@@ -46,7 +46,7 @@ import time
 import torch
 
 from ..grid import ParallelConfig
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..model.reference import GPT
 from ..runtime.launch import launch
 from ..train.engine import TrainingRun

@@ -32,7 +32,7 @@ import torch
 from ..runtime import comm
 from ..grid import ParallelConfig, build_grid
 from ..runtime.launch import launch
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..model.parallel import ParallelGPT
 from ..model.reference import GPT
 from ..verify import make_batch

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..grid import ParallelConfig, build_grid
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..model.parallel import ParallelGPT
 from ..model.reference import GPT
 from ..runtime import comm
@@ -146,7 +146,7 @@ def _pipeline(cfg, tokens, targets):
     from torch.distributed import pipelining
     from ..pipeline import make_schedule
     from ..pipeline.executor import run_schedule
-    from ..pipeline.partition import PipelineGPT
+    from ..model.stages import PipelineGPT
     m, rank = MICROBATCHES, dist.get_rank()
     schedule = make_schedule("1f1b", 2, m)
     model = PipelineGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(pp=2)),

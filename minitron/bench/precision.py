@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..grid import ParallelConfig
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..model.reference import GPT
 from ..runtime.launch import launch
 from ..train import data

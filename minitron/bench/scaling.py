@@ -36,7 +36,7 @@ from ..estimate.flops import iteration_flops
 from ..hardware import cpu
 from ..estimate.time_model import Cluster, Parallel, step_time
 from ..grid import ParallelConfig, build_grid
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..runtime import comm
 from ..runtime.launch import launch
 from ..train.engine import TrainingRun

@@ -36,7 +36,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime import comm
-from ..model.convert import rules
 from .engine_api import GradientEngine
 
 # 16-bit comparisons (tests, verify --dtype): both sides round every op's output to 16 bits,
@@ -102,10 +101,10 @@ class LossScaler:
 
 # ---- global gradient norm ----------------------------------------------------------------------
 def _tp_replicated(model: nn.Module, grid) -> set[str]:
-    """Names of parameters every tp rank holds whole (ParallelGPT's rules with no split dim)."""
+    """Names of parameters every tp rank holds whole (the model says: ParallelGPT.tp_replicated)."""
     if grid.tp.size == 1:
         return set()
-    return {r.name for r in rules(model.cfg) if r.dim is None}
+    return model.tp_replicated()
 
 
 def _counted_here(engine: GradientEngine, p: nn.Parameter, name: str, grid, replicated_tp: set[str]) -> bool:

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 
-RECOMPUTE = ("none", "selective", "full")
+from ..config import CHOICES
+
+RECOMPUTE = CHOICES["recompute"]       # ModelConfig's own choices (none, selective, full)
 
 
 @dataclasses.dataclass(frozen=True)

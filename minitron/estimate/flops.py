@@ -26,7 +26,7 @@ Narayanan et al. report as "achieved teraFLOP/s per GPU".
 from __future__ import annotations
 
 from ..hardware import peak_of
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from .activations import RECOMPUTE
 
 

@@ -48,7 +48,7 @@ import re
 import torch
 
 from ..data_parallel.memory import formula_bytes
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..model.convert import stage_rules
 from ..model.reference import Block, make_norm
 from ..pipeline.check import check

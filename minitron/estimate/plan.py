@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import refusals
-from ..model.config import ModelConfig, divisors
+from ..config import ModelConfig, divisors
 from .memory import Setup, estimate
 from .time_model import Breakdown, Cluster, Parallel, step_time
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..hardware import GPUS
 from .time_model import Cluster, Parallel, step_time
 

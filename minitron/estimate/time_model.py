@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from .flops import iteration_flops
 from ..hardware import GPU, point_to_point_link, ring_link, ring_seconds
 

@@ -1,4 +1,4 @@
-"""The pieces ParallelGPT (parallel.py) and PipelineGPT (pipeline/partition.py) are built of.
+"""The pieces ParallelGPT (parallel.py) and PipelineGPT (model/stages.py) are built of.
 
   BlockContext       the grid and the model config every block shares, and what they decide
                      together: the global positions and the dropout masks of this rank's tokens
@@ -24,7 +24,7 @@ from ..kernels import ops   # imports no triton until a kernel first runs
 from ..moe.layer import ParallelMoE
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.random import DropoutRNG
-from .config import ModelConfig
+from ..config import ModelConfig
 from .fused import fused_attention_core, make_model_norm
 from .recompute import checkpoint
 from .reference import attention_core, rotary

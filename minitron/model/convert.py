@@ -27,7 +27,7 @@ import torch
 from ..runtime import comm
 from ..grid import Grid
 from ..moe.experts import TP_DIM as EXPERT_TP_DIM
-from .config import ModelConfig
+from ..config import ModelConfig
 from .reference import Block, make_norm
 
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from ..kernels import ops   # imports no triton until a kernel first runs
 from ..runtime.process_group import pick_backend
 from ..tensor_parallel.random import DropoutRNG
-from .config import ModelConfig
+from ..config import ModelConfig
 from .reference import make_norm
 
 FLASH_HEAD_DIMS = (16, 32, 64, 128, 256)   # what kernels/flash_attention.py compiles for

@@ -63,8 +63,8 @@ from ..tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                         gather_from_sequence_parallel_region)
 from ..tensor_parallel.random import make_dropout_rng
 from .blocks import BlockContext, ParallelEmbedding, build_block, mark_sequence_parallel
-from .config import ModelConfig
-from .convert import shard_state_dict
+from ..config import ModelConfig
+from .convert import rules, shard_state_dict
 from .fused import check_kernels, make_model_norm
 from .reference import GPT
 
@@ -154,6 +154,10 @@ class ParallelGPT(nn.Module):
         _check_ids(targets, self.cfg.vocab_size, "target")
         ce = fused_vocab_parallel_cross_entropy if self.cfg.use_kernels else vocab_parallel_cross_entropy
         return ce(logits, targets, self.grid.tp).mean() + self.moe_loss()
+
+    def tp_replicated(self) -> set[str]:
+        """Names of the parameters every tp rank holds whole (convert.rules with no split dim)."""
+        return {r.name for r in rules(self.cfg) if r.dim is None}
 
     def moe_layers(self) -> list[ParallelMoE]:
         return [m for m in self.modules() if isinstance(m, ParallelMoE)]   # PipelineGPT's too

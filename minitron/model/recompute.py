@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..estimate.activations import RECOMPUTE
+from ..config import CHOICES
 from ..tensor_parallel.random import DropoutRNG
 
 
@@ -92,8 +92,8 @@ def checkpoint(fn, rng: DropoutRNG, *tensors: torch.Tensor, others: tuple = ()):
 
 
 def check_mode(recompute: str) -> str:
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r}: choose one of {RECOMPUTE} "
+    if recompute not in CHOICES["recompute"]:
+        raise ValueError(f"recompute={recompute!r}: choose one of {CHOICES['recompute']} "
                          "(none: keep everything; selective: recompute the attention core; "
                          "full: recompute every layer)")
     return recompute

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..moe.reference import MoE
 from ..tensor_parallel.random import DropoutRNG
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:

@@ -1,6 +1,6 @@
 """Does a model split on a grid? Every divisibility a split needs, checked before any rank starts.
 
-Each refusal is a ConfigError (model/config.py) that names the clashing fields and the nearest
+Each refusal is a ConfigError (minitron/config.py) that names the clashing fields and the nearest
 values that work, so a command can say which flag to change and to what; then the combinations
 of options no split model is built for (minitron/refusals.py, level model: Refused)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 
 from .. import refusals
 from ..grid import ParallelConfig, pad_vocab_size
-from .config import ConfigError, divisors, near, next_multiple
+from ..config import ConfigError, divisors, near, next_multiple
 
 
 def validate_model(cfg: ParallelConfig, model, seq_len: int | None = None, *,

@@ -20,8 +20,9 @@ tests/test_expert_layout.py checks it against Megatron-Core's own algorithm.
 """
 from __future__ import annotations
 
+from ..config import ConfigError, divisors, near
 from ..grid import GROUP_DIMS, ParallelConfig
-from ..model.config import ConfigError, divisors, near
+from ..runtime import placement
 
 EXPERT_LAYOUTS = ("minitron", "megatron-core")
 
@@ -63,4 +64,16 @@ def megatron_expert_grid(cfg: ParallelConfig, expert_tp: int) -> ParallelConfig:
                           gpus_per_node=cfg.gpus_per_node)
 
 
-__all__ = ["EXPERT_LAYOUTS", "expert_groups", "megatron_expert_grid"]
+
+def explain(cfg: ParallelConfig, layout: str = "minitron", expert_tp: int | None = None) -> str:
+    """runtime/placement.explain(cfg), then the expert groups of `layout` (with "megatron-core"
+    those of Megatron-Core's second rank generator), each kind on one line the same way."""
+    experts = expert_groups(cfg, layout, expert_tp)
+    lines = [placement.explain(cfg),
+             f"expert groups, {layout} layout (expert tp {len(experts['expert_tp'][0])}, "
+             f"expert dp {len(experts['expert_dp'][0])}):"]
+    lines += [placement.group_row(name, groups, cfg.gpus_per_node) for name, groups in experts.items()]
+    return "\n".join(lines)
+
+
+__all__ = ["EXPERT_LAYOUTS", "expert_groups", "megatron_expert_grid", "explain"]

@@ -19,14 +19,10 @@ away, never read back, so they receive no gradient.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-if TYPE_CHECKING:   # a type only: minitron.model imports this package
-    from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 
 class StackedLinear(nn.Module):

@@ -22,8 +22,6 @@ tp sum, through g) of the ranks' terms is the single-device number (router.aux_l
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 
@@ -34,9 +32,7 @@ from ..tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts
 from .router import aux_losses, apply_capacity, choice_counts, route, tokens_per_expert
-
-if TYPE_CHECKING:   # a type only: minitron.model imports this package
-    from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 DISPATCHERS = ("alltoall", "allgather")
 

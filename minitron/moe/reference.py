@@ -8,17 +8,13 @@ experts.fc1.weight [E, ffn, h], experts.fc2.weight [E, h, ffn], ... (experts.py)
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .experts import GroupedExperts
 from .router import Routing, apply_capacity, aux_losses, route, tokens_per_expert
-
-if TYPE_CHECKING:   # a type only: minitron.model imports this package
-    from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 
 class MoE(nn.Module):

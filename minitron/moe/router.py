@@ -31,13 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:   # a type only: minitron.model imports this package
-    from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ import os
 import sys
 from fractions import Fraction
 
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from .check import check
 from .schedules import SCHEDULES, make_schedule
 from .simulate import Costs, simulate

@@ -132,3 +132,15 @@ class Timeline:
     @property
     def bubble_ratio(self) -> float:
         return (self.pp * self.makespan - self.busy()) / self.busy()
+
+
+def check_args(name: str, pp: int, microbatches: int, virtual: int, allowed: tuple[int, ...]):
+    """A schedule's arguments, refused before it is built: pp and microbatches >= 1, virtual
+    one of `allowed`."""
+    if pp < 1 or microbatches < 1:
+        raise ValueError(f"{name}: pp and microbatches must be >= 1, got pp={pp}, "
+                         f"microbatches={microbatches}")
+    if virtual not in allowed:
+        hint = " (choose 'interleaved' for more chunks per rank)" if allowed == (1,) else ""
+        raise ValueError(f"{name}: virtual={virtual} is not supported; use virtual in "
+                         f"{allowed}{hint}")

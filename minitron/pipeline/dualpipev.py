@@ -28,7 +28,8 @@ minitron's units (check.peak_activations counts a chunk as half a stage) that is
 """
 from __future__ import annotations
 
-from .actions import B, BW, F, W, Action, Schedule, v_placement
+from .actions import B, BW, F, W, Action, Schedule, check_args, v_placement
+from .messages import with_messages
 
 
 def _rank_order(pp: int, m: int, r: int) -> tuple[list[Action], list[tuple[Action, Action]]]:
@@ -89,8 +90,7 @@ def _rank_order(pp: int, m: int, r: int) -> tuple[list[Action], list[tuple[Actio
 
 def dualpipev(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
     """DualPipeV on pp ranks (2pp stages in a V); see the module docstring."""
-    from .schedules import _validate, with_messages      # schedules.py registers this one
-    _validate("dualpipev", pp, microbatches, virtual, (2,))
+    check_args("dualpipev", pp, microbatches, virtual, (2,))
     m = max(microbatches, 2 * pp)
     compute, overlapped = {}, {}
     for r in range(pp):

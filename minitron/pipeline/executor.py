@@ -44,7 +44,8 @@ from ..tensor_parallel import weight_grad
 from .actions import B, BW, COMPUTE, F, RECV_F, SEND_B, SEND_F, W, Action, Event, Schedule
 from .memory import ActivationMemory
 from .p2p import check_message_order, exchange, message_shape
-from .partition import PipelineGPT
+
+# `model` below is a PipelineGPT (model/stages.py): a floor above this one, so only named here.
 
 
 @dataclasses.dataclass

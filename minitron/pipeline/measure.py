@@ -11,12 +11,12 @@ from fractions import Fraction
 import torch
 
 from ..grid import Grid, ParallelConfig, build_grid
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..runtime import comm
 from ..runtime.launch import launch
 from .actions import COMPUTE, Event, Schedule, Timeline
 from .executor import run_schedule
-from .partition import PipelineGPT
+from ..model.stages import PipelineGPT
 
 
 def gather_timeline(schedule: Schedule, events: list[Event], grid: Grid) -> Timeline:

@@ -23,7 +23,7 @@ import torch
 
 from ..runtime import comm
 from ..grid import Grid
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
 
 

@@ -1,7 +1,7 @@
 """Pipeline schedules: who computes what, in which order, and which tensors travel.
 
 Every schedule is a pure function (pp, microbatches, virtual) -> Schedule (see actions.py).
-It decides only each rank's *compute order*; `with_messages` derives the messages from it:
+It decides only each rank's *compute order*; `with_messages` (messages.py) derives the messages from it:
 a SEND_F after each F whose next stage is on another rank and the matching RECV_F on that
 rank, a SEND_B/RECV_B pair for each B or BW whose previous stage is elsewhere. Each message is
 placed on both ranks at the moment its tensor is made in an as-soon-as-possible run, so a send
@@ -33,111 +33,14 @@ Bubbles, with p ranks, m micro-batches and a stage's F, B, W costs (BW = B + W):
 """
 from __future__ import annotations
 
-from .actions import (B, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule,
-                      interleaved_placement, v_placement)
-
-
-def _awaited(a: Action, last: int) -> tuple[str, int, int] | None:
-    """The tensor `a` waits for: a forward the previous stage's output, a backward (B or BW) the
-    next stage's input gradient; None for stage 0's F, the last stage's B, and every W (which
-    needs only what its own B saved, earlier on this rank)."""
-    if a.kind == F and a.stage > 0:
-        return ("F", a.microbatch, a.stage - 1)
-    if a.kind in (B, BW) and a.stage < last:
-        return ("B", a.microbatch, a.stage + 1)
-    return None
-
-
-def _compute_times(stage_rank: tuple[int, ...], compute: dict[int, list[Action]],
-                   overlapped: dict[int, tuple[tuple[Action, Action], ...]] | None = None):
-    """Start and end of every compute action when each runs as soon as its inputs exist
-    (F = B = W = 1, BW = 2, messages free). An overlapped (F, BW) pair is one unit: it starts
-    once both inputs exist and both halves end together. Raises ValueError if the orders wait
-    on each other."""
-    last, cost = len(stage_rank) - 1, {F: 1, B: 1, W: 1, BW: 2}
-    paired = {r: {f: b for f, b in (overlapped or {}).get(r, ())} for r in compute}
-    ready: dict[tuple[str, int, int], int] = {}   # ("F"|"B", mb, stage) -> when made
-    times: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
-    clock = {r: 0 for r in compute}
-    moved = True
-    while moved:      # sweep the ranks until none can start its next action
-        moved = False
-        for r, order in compute.items():
-            while len(times[r]) < len(order):
-                a = order[len(times[r])]
-                unit = [a, paired[r][a]] if a in paired[r] else [a]
-                awaited = [w for w in (_awaited(x, last) for x in unit) if w is not None]
-                if any(w not in ready for w in awaited):
-                    break                             # another rank must make it first
-                start = max([clock[r]] + [ready[w] for w in awaited])
-                clock[r] = start + sum(cost[x.kind] for x in unit)
-                for x in unit:
-                    times[r].append((start, clock[r]))
-                    if x.kind != W:                   # F hands on its output, B/BW dL/dinput
-                        ready["F" if x.kind == F else "B", x.microbatch, x.stage] = clock[r]
-                moved = True
-    stuck = {r: str(order[len(times[r])]) for r, order in compute.items() if len(times[r]) < len(order)}
-    if stuck:
-        raise ValueError(f"compute orders wait on each other forever; each rank's next action: {stuck}")
-    return times
-
-
-def with_messages(name: str, pp: int, microbatches: int, virtual: int,
-                  stage_rank: tuple[int, ...], compute: dict[int, list[Action]],
-                  overlapped: dict[int, tuple[tuple[Action, Action], ...]] | None = None) -> Schedule:
-    """Add each rank's sends and receives to its compute order, deadlock-free by construction.
-
-    Every message is stamped with the time its tensor is made in an as-soon-as-possible run of
-    the compute orders (ties broken the same way everywhere); both ends place it at that time:
-    after every compute that started earlier, before every compute that starts at or after it,
-    so every rank posts its messages in one global order. Then no deadlock is possible, even
-    under rendezvous: the earliest message not yet posted by both ends is reached by both,
-    because everything before it on each end has been matched.
-    An overlapped pair (F, BW) starts and ends as one unit, so no message falls between them:
-    both inputs are received before it, both outputs sent after it.
-    """
-    last = len(stage_rank) - 1
-    times = _compute_times(stage_rank, compute, overlapped)
-    made = {(a.kind, a.microbatch, a.stage): end        # when each compute's tensor exists
-            for r, order in compute.items() for a, (_, end) in zip(order, times[r])}
-    messages: dict[int, list[tuple[tuple, Action]]] = {r: [] for r in compute}
-    for r, order in compute.items():
-        for a in order:
-            s, mb = a.stage, a.microbatch
-            if a.kind == F and s < last and stage_rank[s + 1] != r:
-                key = (made[F, mb, s], 0, mb, s)
-                messages[r].append((key, Action(SEND_F, mb, s, stage_rank[s + 1])))
-                messages[stage_rank[s + 1]].append((key, Action(RECV_F, mb, s + 1, r)))
-            if a.kind in (B, BW) and s > 0 and stage_rank[s - 1] != r:
-                key = (made[a.kind, mb, s], 1, mb, s)
-                messages[r].append((key, Action(SEND_B, mb, s, stage_rank[s - 1])))
-                messages[stage_rank[s - 1]].append((key, Action(RECV_B, mb, s - 1, r)))
-    actions = {}
-    for r, order in compute.items():
-        pending = sorted(messages[r], key=lambda km: km[0])
-        out = []
-        for a, (start, _) in zip(order, times[r]):
-            while pending and pending[0][0][0] <= start:
-                out.append(pending.pop(0)[1])
-            out.append(a)
-        actions[r] = tuple(out + [msg for _, msg in pending])
-    return Schedule(name, pp, microbatches, virtual, tuple(stage_rank), actions,
-                    dict(overlapped or {}))
-
-
-def _validate(name: str, pp: int, microbatches: int, virtual: int, allowed: tuple[int, ...]):
-    if pp < 1 or microbatches < 1:
-        raise ValueError(f"{name}: pp and microbatches must be >= 1, got pp={pp}, "
-                         f"microbatches={microbatches}")
-    if virtual not in allowed:
-        hint = " (choose 'interleaved' for more chunks per rank)" if allowed == (1,) else ""
-        raise ValueError(f"{name}: virtual={virtual} is not supported; use virtual in "
-                         f"{allowed}{hint}")
+from .actions import B, BW, F, W, Action, Schedule, check_args, interleaved_placement, v_placement
+from .dualpipev import dualpipev
+from .messages import with_messages
 
 
 def gpipe(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     """GPipe: every micro-batch forward, then every micro-batch backward (in the same order)."""
-    _validate("gpipe", pp, microbatches, virtual, (1,))
+    check_args("gpipe", pp, microbatches, virtual, (1,))
     compute = {r: [Action(F, i, r) for i in range(microbatches)]
                + [Action(BW, i, r) for i in range(microbatches)] for r in range(pp)}
     return with_messages("gpipe", pp, microbatches, 1, interleaved_placement(pp, 1), compute)
@@ -155,7 +58,7 @@ def _one_f_one_b_order(pp: int, m: int, rank: int, backward: str) -> list[Action
 
 def one_f_one_b(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     """1F1B (PipeDream-Flush, Megatron's forward_backward_pipelining_without_interleaving)."""
-    _validate("1f1b", pp, microbatches, virtual, (1,))
+    check_args("1f1b", pp, microbatches, virtual, (1,))
     compute = {r: _one_f_one_b_order(pp, microbatches, r, BW) for r in range(pp)}
     return with_messages("1f1b", pp, microbatches, 1, interleaved_placement(pp, 1), compute)
 
@@ -170,7 +73,7 @@ def interleaved(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
     Warm-up (p-1-r)*2 + (v-1)*p forwards (all of them if that reaches m*v), then one forward
     one backward, then the remaining backwards.
     """
-    _validate("interleaved", pp, microbatches, virtual, tuple(range(1, 65)))
+    check_args("interleaved", pp, microbatches, virtual, tuple(range(1, 65)))
     if microbatches % pp:
         raise ValueError(f"interleaved: microbatches ({microbatches}) must be a multiple of pp "
                          f"({pp}), as Megatron requires; use e.g. {pp * -(-microbatches // pp)}")
@@ -202,7 +105,7 @@ def zb_h1(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     holding back its first r W's. B is all the previous rank waits for, so the B's race back
     through the pipeline; each rank keeps p micro-batches in flight (1F1B's rank 0 peak) and
     runs the deferred W's where 1F1B's cool-down idled. Steady state: F, B, W of the oldest."""
-    _validate("zb-h1", pp, microbatches, virtual, (1,))
+    check_args("zb-h1", pp, microbatches, virtual, (1,))
     compute = {}
     for r in range(pp):
         order, pending, held = [], [], 0
@@ -230,7 +133,7 @@ def zb_v(pp: int, microbatches: int, virtual: int = 2) -> Schedule:
     the missing micro-batches are dropped. At F=B=W and m >= 2p-1 no rank ever idles between
     its first and its last action (test_zb_v_zero_bubble); peak activations p, 1F1B's.
     """
-    _validate("zb-v", pp, microbatches, virtual, (2,))
+    check_args("zb-v", pp, microbatches, virtual, (2,))
     n, m = 2 * pp, max(2 * pp - 1, microbatches)
     compute = {}
     for r in range(pp):
@@ -273,7 +176,7 @@ def zb_h2(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
     Built by one greedy rule, stepped in unit time (F=B=W=1): a free rank runs its next B if the
     gradient is there, else its next F if its input is there and fewer than 2p-1 are alive,
     else its oldest pending W."""
-    _validate("zb-h2", pp, microbatches, virtual, (1,))
+    check_args("zb-h2", pp, microbatches, virtual, (1,))
     m, limit, made = microbatches, 2 * pp - 1, {}
     order: dict[int, list[Action]] = {r: [] for r in range(pp)}
     pending: dict[int, list[int]] = {r: [] for r in range(pp)}
@@ -298,8 +201,6 @@ def zb_h2(pp: int, microbatches: int, virtual: int = 1) -> Schedule:
         t += 1
     return with_messages("zb-h2", pp, m, 1, interleaved_placement(pp, 1), order)
 
-
-from .dualpipev import dualpipev  # noqa: E402  (it builds on with_messages above)
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1,
              "zb-h2": zb_h2, "zb-v": zb_v, "dualpipev": dualpipev}

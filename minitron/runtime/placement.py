@@ -36,19 +36,11 @@ def nodes_spanned(ranks: list[int], gpus_per_node: int) -> int:
     return len({node_of(r, gpus_per_node) for r in ranks})
 
 
-def group_kinds(cfg) -> dict[str, list[list[int]]]:
-    """Every kind of group the grid builds (minitron.grid.GROUP_DIMS and the embedding's)."""
-    from ..grid import GROUP_DIMS           # here: the grid calls this module while it is built
-    kinds = {name: cfg.group_ranks(dims) for name, dims in GROUP_DIMS.items()}
-    kinds["embedding"] = cfg.embedding_ranks()
-    return kinds
-
-
 def crossing_groups(cfg) -> dict[str, list[list[int]]]:
     """For each kind that has any, the groups whose ranks sit on more than one node."""
     g = cfg.gpus_per_node
     out = {name: [ranks for ranks in groups if nodes_spanned(ranks, g) > 1]
-           for name, groups in group_kinds(cfg).items()}
+           for name, groups in cfg.group_kinds().items()}
     return {name: groups for name, groups in out.items() if groups}
 
 
@@ -77,25 +69,20 @@ def warn_if_tp_crosses_nodes(cfg) -> None:
         warnings.warn(message, PlacementWarning, stacklevel=3)   # points at the Grid(...) line
 
 
-def explain(cfg, expert_layout: str = "minitron", expert_tp: int | None = None) -> str:
+def explain(cfg) -> str:
     """Each group kind: how many groups of how many ranks, whether every one stays inside a node,
-    and its ranks (the first SHOWN_GROUPS groups). With expert_layout="megatron-core" the expert
-    groups of Megatron-Core's second rank generator follow (minitron/moe/expert_layout.py)."""
+    and its ranks (the first SHOWN_GROUPS groups). Megatron-Core's expert groups follow in
+    moe/expert_layout.explain."""
     g = cfg.gpus_per_node
     nodes = -(-cfg.world_size // g)
     lines = [f"{cfg.world_size} ranks on {nodes} node{'s' * (nodes > 1)} of {g} GPUs "
              f"(tp={cfg.tp} cp={cfg.cp} ep={cfg.ep} dp={cfg.dp} pp={cfg.pp}, tp fastest)"]
-    lines += [_row(name, groups, g) for name, groups in group_kinds(cfg).items()]
-    if expert_layout != "minitron" or expert_tp is not None:
-        from ..moe.expert_layout import expert_groups    # here: moe imports the grid, which imports us
-        experts = expert_groups(cfg, expert_layout, expert_tp)
-        lines.append(f"expert groups, {expert_layout} layout (expert tp {len(experts['expert_tp'][0])}, "
-                     f"expert dp {len(experts['expert_dp'][0])}):")
-        lines += [_row(name, groups, g) for name, groups in experts.items()]
+    lines += [group_row(name, groups, g) for name, groups in cfg.group_kinds().items()]
     return "\n".join(lines)
 
 
-def _row(name: str, groups: list[list[int]], gpus_per_node: int) -> str:
+def group_row(name: str, groups: list[list[int]], gpus_per_node: int) -> str:
+    """One line of explain(): the kind, its groups' sizes, whether they stay inside a node."""
     size = "/".join(str(s) for s in sorted({len(ranks) for ranks in groups}))
     if size == "1":                           # nothing travels in a group of one rank
         return f"  {name:<12} {len(groups):>4} x 1   one rank each: no traffic"
@@ -114,5 +101,5 @@ def _short(ranks: list[int]) -> str:
 
 
 __all__ = ["PlacementWarning", "node_of",
-           "nodes_spanned", "group_kinds", "crossing_groups", "tp_warning", "warn_if_tp_crosses_nodes",
-           "explain"]
+           "nodes_spanned", "crossing_groups", "tp_warning", "warn_if_tp_crosses_nodes",
+           "explain", "group_row"]

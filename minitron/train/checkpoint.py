@@ -41,7 +41,7 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..runtime import comm
 from .checkpoint_pieces import (_local_to_state, _state_to_local, _write_weights, local_weights,
                                 placements)

@@ -33,7 +33,7 @@ from ..grid import ParallelConfig
 from ..refusals import Refused
 from ..runtime.launch import RankError
 from ..runtime.process_group import end_of_run, under_torchrun
-from ..model.config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
 from .engine import TrainingRun

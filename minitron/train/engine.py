@@ -37,10 +37,10 @@ from ..data_parallel import DEFAULT_BUCKET_NUMEL, gathered_grads, gathered_param
 from ..data_parallel.optim import FusedAdamW
 from ..data_parallel.precision import LossScaler, optimizer_step
 from ..grid import ParallelConfig, build_grid
-from ..model.config import ModelConfig, check_number
+from ..config import ModelConfig, check_number
 from ..model.convert import grads_state_dict
 from ..moe.router import imbalance
-from ..pipeline.partition import PipelineGPT
+from ..model.stages import PipelineGPT
 from ..pipeline.schedules import V_SHAPED, make_schedule
 from ..runtime import comm
 from ..tensor_parallel.fp8 import FP8Recipe

@@ -11,9 +11,10 @@ import os
 
 from . import checkpoint, data
 from ..grid import CP_VARIANTS, ParallelConfig
-from ..model.config import CHOICES, ModelConfig, check_number
+from ..config import CHOICES, ModelConfig, check_number
 from ..model.fused import enable_kernels
-from ..pipeline.partition import check_placement
+from ..model.splits import validate_model
+from ..model.stages import check_placement
 from ..tensor_parallel.fp8 import RECIPES
 from .engine import check_supported, resolve_schedule
 from .lr import LR_SCHEDULES
@@ -129,7 +130,7 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
                           virtual_pp=args.virtual, sequence_parallel=args.sp,
                           cp_variant=args.cp_variant, tp_comm_overlap=args.tp_comm_overlap,
                           dp_shard=args.dp_shard, cp_a2a=args.cp_a2a)
-    pcfg.validate(model=mcfg, seq_len=args.seq)
+    validate_model(pcfg, mcfg, args.seq)
     if args.schedule and args.pp == 1 and args.virtual == 1:
         raise UsageError(f"--schedule {args.schedule} needs a pipeline: add --pp 2 (or more)")
     if args.pp > 1 or args.virtual > 1:

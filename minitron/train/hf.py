@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 FAMILIES = ("gpt2", "llama")
 _LLAMA_TYPES = ("llama", "mistral")
@@ -175,7 +175,7 @@ def import_model(hf_model, grid=None, placement=None, seed: int = 0):
         from ..model.parallel import ParallelGPT
         model = ParallelGPT(cfg, grid, seed=seed)
     else:
-        from ..pipeline.partition import PipelineGPT
+        from ..model.stages import PipelineGPT
         model = PipelineGPT(cfg, grid, placement, seed=seed)
         placement = model.placement
     model.load_state_dict(shard_state_dict(ref_sd, cfg, grid, placement))

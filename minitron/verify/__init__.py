@@ -20,7 +20,7 @@ level (~1e-7 of its tensor's largest) counts as noise, not as a direction worth 
 no longer depends on it: both sides step on the same gradients, so `--eps 1e-8` passes too.)
 
 `--pp`, `--virtual`, `--schedule` and `--microbatches` cut the model into pipeline stages
-(pipeline/partition.py) and run every step with the pipeline executor and the named schedule
+(model/stages.py) and run every step with the pipeline executor and the named schedule
 (pipeline/schedules.py): the same rows are compared, with the logits of every micro-batch and
 dL/dX collected from the stages that made them, every gradient and weight gathered across the
 stages, and the tied embedding's two copies (first and last stage) bitwise equal over the

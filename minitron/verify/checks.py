@@ -51,7 +51,7 @@ import torch
 
 from ..runtime import comm
 from ..grid import Grid
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..model.convert import Rule, rules
 from .compare import rel_err
 
@@ -222,7 +222,7 @@ def replica_groups(rule: Rule, tied_across_stages: bool = False, over_dp: bool =
     expert-parallel rank holds other experts, but is a data-parallel replica of the dense
     layers); groups of one rank are skipped by the caller.
     A pipeline's tied word embedding, when the first and the last stage are on different ranks
-    (both hold a copy: pipeline/partition.py), is replicated over the "embedding"
+    (both hold a copy: model/stages.py), is replicated over the "embedding"
     group. over_dp=False leaves dp out: tensors rebuilt from ZeRO shards (data_parallel.checks)
     are equal over their shard group by construction, so comparing them there would check
     nothing; across dp_replicate (HSDP) each copy is rebuilt apart, and compared.

@@ -11,8 +11,9 @@ import torch
 from ..grid import CP_VARIANTS, ParallelConfig
 from ..refusals import Refused
 from ..model.splits import validate_model
-from ..model.config import CHOICES, ConfigError, ModelConfig, check_adamw
+from ..config import CHOICES, ConfigError, ModelConfig, check_adamw
 from ..model.fused import enable_kernels
+from ..moe import expert_layout
 from ..moe.expert_layout import EXPERT_LAYOUTS
 from ..runtime import placement
 from ..pipeline.schedules import SCHEDULES
@@ -205,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--expert-layout and --expert-tp are shown by --explain; the runs "
                              "use minitron's layout: add --explain or drop them")
         if args.explain:
-            print(placement.explain(pcfg, args.expert_layout, args.expert_tp))
+            experts = args.expert_layout != "minitron" or args.expert_tp is not None
+            print(expert_layout.explain(pcfg, args.expert_layout, args.expert_tp) if experts
+                  else placement.explain(pcfg))
             return 0
         batch = split_batch(args.batch, pcfg, sched, "--batch")
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,

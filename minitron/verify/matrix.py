@@ -25,8 +25,8 @@ import time
 import torch
 
 from ..grid import ParallelConfig
+from ..config import ModelConfig
 from ..refusals import Refused
-from ..model.config import ModelConfig
 from .run import verify
 
 SIZES = (1, 2)

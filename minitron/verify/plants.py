@@ -15,9 +15,11 @@ import math
 
 import torch
 
+from ..context_parallel.blocks import Accumulator
 from ..data_parallel.zero3 import ZeroStage3
 from ..grid import Grid
 from ..pipeline import executor
+from ..runtime.comm_async import Pending
 from ..tensor_parallel import overlap, weight_grad
 from ..tensor_parallel.fp8 import delayed_scale
 from ..tensor_parallel.fp8_linear import fp8_states
@@ -232,8 +234,6 @@ class Plant(StepHooks):
 def merged_without_rescale():
     """Inside the block, context_parallel.blocks.Accumulator sums the blocks' outputs as they
     come, without the exp(lse_block - lse) rescale of the online softmax (a planted bug)."""
-    from ..context_parallel.blocks import Accumulator
-
     def unscaled(self, rows, out_b, lse_b):
         lse = self.lse[:, :, rows]
         self.out[:, :, rows].add_(out_b)
@@ -247,7 +247,6 @@ def merged_without_rescale():
 
 def _never_reduce_bucket(engine, b: int) -> None:
     """Bucket b's all-reduce is replaced by nothing: its gradients stay this rank's (times 1/dp)."""
-    from ..runtime.comm_async import Pending
     gb = engine.buffers[0]
     if getattr(engine, "zero_stage", 3) != 0 or len(gb.layout.buckets) <= b:
         raise ValueError(f"plant dp-bucket needs plain data parallelism (--zero 0) and more than {b} "

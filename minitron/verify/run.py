@@ -8,7 +8,7 @@ import torch
 from .. import refusals
 from ..grid import ParallelConfig
 from ..model.splits import validate_model
-from ..model.config import ModelConfig, check_adamw
+from ..config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..runtime.launch import DEFAULT_TIMEOUT, launch
 from ..train.engine import check_supported, resolve_schedule

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..data_parallel.precision import MasterWeightsAdamW, tolerance16
 from ..grid import ParallelConfig
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 from ..model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from ..model.reference import GPT
 from ..runtime import comm

@@ -35,18 +35,18 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from ..runtime import comm
+from ..config import ModelConfig
 from ..grid import Grid
-from ..model.splits import validate_model
-from ..model.config import ModelConfig
-from ..model.convert import shard_state_dict, stage_layers
-from ..model.fused import check_kernels, make_model_norm
-from ..model.blocks import BlockContext, ParallelEmbedding, build_block, mark_sequence_parallel
-from ..model.parallel import ParallelGPT
-from ..model.reference import GPT
+from ..pipeline.actions import interleaved_placement
+from ..runtime import comm
 from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.random import make_dropout_rng
-from .actions import interleaved_placement
+from .blocks import BlockContext, ParallelEmbedding, build_block, mark_sequence_parallel
+from .convert import shard_state_dict, stage_layers
+from .fused import check_kernels, make_model_norm
+from .parallel import ParallelGPT
+from .reference import GPT
+from .splits import validate_model
 
 
 def check_placement(cfg: ModelConfig, pp: int, placement: tuple[int, ...]) -> None:
