@@ -161,6 +161,23 @@ def test_unpaired_solution_markers_are_refused(tmp_path, bad, says, flags):
     assert not (tmp_path / "e" / "07_demo.ipynb").exists()
 
 
+def test_exercise_drops_the_outputs_of_check_cells_only(tmp_path):
+    """A check cell's stored outputs are the values the learner is asked to compute: the
+    exercise must not carry them; a figure drawn with plt.show() stays."""
+    cells = [GOOD, 'show("the answer", f())\n', "import matplotlib.pyplot as plt\nplt.show()\n"]
+    assert _make_exercises(tmp_path, cells).returncode == 0
+    solution = json.loads((tmp_path / "s" / "07_demo.ipynb").read_text())
+    for cell in solution["cells"]:
+        cell["outputs"], cell["execution_count"] = [{"output_type": "stream", "name": "stdout", "text": ["1"]}], 1
+    (tmp_path / "s" / "07_demo.ipynb").write_text(json.dumps(solution))
+    rerun = subprocess.run([sys.executable, "tools/make_exercises.py", "--solutions", str(tmp_path / "s"),
+                            "--exercises", str(tmp_path / "e"), "--force"], cwd=ROOT, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    check, figure = json.loads((tmp_path / "e" / "07_demo.ipynb").read_text())["cells"][1:]
+    assert check["outputs"] == [] and check["execution_count"] is None
+    assert figure["outputs"] and figure["execution_count"] == 1
+
+
 def test_exercise_is_stubbed_and_a_learners_copy_is_kept(tmp_path):
     assert _make_exercises(tmp_path, [GOOD]).returncode == 0
     exercise = tmp_path / "e" / "07_demo.ipynb"

@@ -6,8 +6,11 @@ In a solution notebook, the code a learner must write sits between two marker li
     ...
     # END SOLUTION
 
-The exercise keeps every cell and every stored output of the solution and replaces each
-marked block by a stub that raises NotImplementedError, keeping the indentation. A marker
+The exercise keeps every cell of the solution and replaces each marked block by a stub that
+raises NotImplementedError, keeping the indentation. It keeps the solution's stored outputs
+except those of check cells (cells that call `show(`): a check shows the values the learner is
+asked to compute, so the reference's would hand them the answers. The grader compares with the
+reference's outputs, never the exercise's. A marker
 that is not closed, a stray END, a nested BEGIN or a marker sharing its line with code is
 an error naming the notebook and the cell: the solution would otherwise leak into the exercise.
 `--check` fails when an exercise is stale.
@@ -25,10 +28,13 @@ import argparse
 import copy
 import json
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+# a check cell hands the grader values with minitron.grade.values.show (not plt.show)
+SHOW = re.compile(r"(?<![\w.])show\(")
 STUB = 'raise NotImplementedError("your code here")'
 
 
@@ -65,6 +71,8 @@ def exercise_from(solution: dict, name: str = "the solution") -> dict:
         if cell["cell_type"] != "code":
             continue
         src = "".join(cell["source"])
+        if SHOW.search(src):              # a check cell: its outputs are the answers
+            cell["outputs"], cell["execution_count"] = [], None
         if BEGIN in src or END in src:
             try:
                 new = stub_source(src)
