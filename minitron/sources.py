@@ -33,6 +33,7 @@ CONSTANTS = {
     "narayanan_175b_tflops": Constant(140e12, "FLOP/s per GPU", "Narayanan et al. 2021, section 5.1: 140 TFLOP/s per GPU"),
     "llama3_params": Constant(405e9, "parameters", "Llama 3 (Dubey et al. 2024): the 405B model"),
     "llama3_unexpected": Constant(419, "interruptions", "Dubey et al. 2024, section 3.3.4 / Table 5: 419 unexpected interruptions in a 54-day snapshot"),
+    "llama3_snapshot_days": Constant(54, "days", "Dubey et al. 2024, section 3.3.4: the 54-day snapshot of pre-training"),
     "llama3_vocab": Constant(128256, "tokens", "Llama 3's tokenizer (Dubey et al. 2024, section 3.1: 128K tokens), 128,256 in its config"),
     "llama3_8b_ffn": Constant(14336, "", "Dubey et al. 2024, Table 3: Llama 3 8B, FFN dimension 14,336"),
     "deepseek_v3_comm_sms": Constant(20, "SMs", "DeepSeek-V3 technical report (2024), section 3.2.2: 20 of the H800's SMs for communication"),
