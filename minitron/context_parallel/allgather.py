@@ -35,10 +35,7 @@ class AllGatherAttention(torch.autograd.Function):
         acc = Accumulator(q)
         kv_all = _gather_kv(k, v, setup.group)
         for src in range(setup.cp):
-            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
-                out_b, lse_b = setup.math.forward(q[:, :, rows], kv_all[src, 0][:, :, cols],
-                                                  kv_all[src, 1][:, :, cols], diag, qp, kp)
-                acc.merge(rows, out_b, lse_b)
+            setup.attend(acc, src, q, kv_all[src])
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)   # this rank's K, V only: 1/cp of the memory
         ctx.setup = setup
@@ -54,14 +51,7 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         dkv_all = torch.zeros(kv_all.shape, dtype=lse.dtype, device=q.device)
         for src in range(setup.cp):
-            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
-                dq_b, dk_b, dv_b = setup.math.backward(
-                    do[:, :, rows], q[:, :, rows], kv_all[src, 0][:, :, cols],
-                    kv_all[src, 1][:, :, cols], out[:, :, rows], lse[:, :, rows],
-                    delta[:, :, rows], diag, qp, kp)
-                dq[:, :, rows] += dq_b
-                dkv_all[src, 0][:, :, cols] += dk_b
-                dkv_all[src, 1][:, :, cols] += dv_b
+            setup.attend_backward(src, do, q, kv_all[src], out, lse, delta, dq, dkv_all[src])
         dkv = comm.reduce_scatter(dkv_all.flatten(0, 1), setup.group, dim=0)   # [2, ...] ours
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 

@@ -52,6 +52,24 @@ class RingSetup:
         return [(rows, cols, diag, q_pos[rows], k_pos[cols])
                 for rows, cols, diag in block_pairs(mine, theirs, c, self.causal)]
 
+    def attend(self, acc: Accumulator, src: int, q, kv) -> None:
+        """Merge into `acc` this rank's queries' attention over ring rank src's keys and
+        values, kv = [2, b, hkv, s/cp, d], block by block."""
+        for rows, cols, diag, qp, kp in self.blocks(src, q.shape[2], q.device):
+            out_b, lse_b = self.math.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                             diag, qp, kp)
+            acc.merge(rows, out_b, lse_b)
+
+    def attend_backward(self, src: int, do, q, kv, out, lse, delta, dq, dkv) -> None:
+        """attend's backward: adds this rank's share into dq and src's block's into dkv [2, ...]."""
+        for rows, cols, diag, qp, kp in self.blocks(src, q.shape[2], q.device):
+            dq_b, dk_b, dv_b = self.math.backward(
+                do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                out[:, :, rows], lse[:, :, rows], delta[:, :, rows], diag, qp, kp)
+            dq[:, :, rows] += dq_b
+            dkv[0][:, :, cols] += dk_b
+            dkv[1][:, :, cols] += dv_b
+
 
 def chunk_positions(chunks, c: int, device) -> torch.Tensor:
     """Global positions of chunks (c tokens each) end to end (sharding.positions' arithmetic)."""
@@ -61,7 +79,7 @@ def chunk_positions(chunks, c: int, device) -> torch.Tensor:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, setup: RingSetup):
-        cp, math = setup.cp, setup.math
+        cp = setup.cp
         acc = Accumulator(q)
         kv, kv_next = torch.stack([k, v]).contiguous(), None
         for step in range(cp):
@@ -71,10 +89,7 @@ class RingAttention(torch.autograd.Function):
                 kv_next = torch.empty_like(kv)
                 posted = comm_async.exchange([P2P("send", kv, setup.next),
                                               P2P("recv", kv_next, setup.prev)], setup.group)
-            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
-                out_b, lse_b = math.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                            diag, qp, kp)
-                acc.merge(rows, out_b, lse_b)
+            setup.attend(acc, src, q, kv)
             if posted is not None:
                 posted.wait()
                 kv = kv_next
@@ -87,7 +102,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         setup = ctx.setup
-        cp, math, group = setup.cp, setup.math, setup.group
+        cp, group = setup.cp, setup.group
         do = dout.contiguous()
         delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1)   # rowsum(dO * O), global
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
@@ -104,13 +119,7 @@ class RingAttention(torch.autograd.Function):
                 ops += [P2P("send", dkv, setup.next), P2P("recv", dkv_in, setup.prev)]
             posted = comm_async.exchange(ops, group) if ops else None
             share = torch.zeros((2, *k.shape), dtype=lse.dtype, device=k.device)
-            for rows, cols, diag, qp, kp in setup.blocks(src, q.shape[2], q.device):
-                dq_b, dk_b, dv_b = math.backward(
-                    do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                    out[:, :, rows], lse[:, :, rows], delta[:, :, rows], diag, qp, kp)
-                dq[:, :, rows] += dq_b
-                share[0][:, :, cols] += dk_b
-                share[1][:, :, cols] += dv_b
+            setup.attend_backward(src, do, q, kv, out, lse, delta, dq, share)
             if posted is not None:
                 posted.wait()
             dkv = share if dkv_in is None else dkv_in + share

@@ -93,16 +93,20 @@ class ParallelGPT(nn.Module):
         self.ctx = ctx = BlockContext(cfg, grid)
         self.embedding = ParallelEmbedding(cfg, ctx)
         self.layers = nn.ModuleList(build_block(cfg, ctx, i) for i in range(cfg.n_layers))
+        self._build_head(cfg, grid)
+        self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
+        # The same weights as GPT(cfg, seed): initialise the full model once, keep our shards.
+        self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid))
+        self.to(grid.device)
+
+    def _build_head(self, cfg: ModelConfig, grid: Grid) -> None:
+        """The final norm and, untied, the column-parallel output layer (the last stage's part)."""
         self.final_norm = make_model_norm(cfg)
         mark_sequence_parallel(self.final_norm, grid.sequence_parallel)
         if not cfg.tie_embeddings:
             self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, grid.tp, bias=False,
                                                 sequence_parallel=grid.sequence_parallel,
                                                 comm_overlap=grid.tp_comm_overlap)
-        self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
-        # The same weights as GPT(cfg, seed): initialise the full model once, keep our shards.
-        self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid))
-        self.to(grid.device)
 
     @classmethod
     def from_reference(cls, ref: nn.Module, grid: Grid) -> "ParallelGPT":

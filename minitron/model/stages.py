@@ -39,11 +39,11 @@ from ..config import ModelConfig
 from ..grid import Grid
 from ..pipeline.actions import interleaved_placement
 from ..runtime import comm
-from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel.layers import VocabParallelEmbedding
 from ..tensor_parallel.random import make_dropout_rng
-from .blocks import BlockContext, ParallelEmbedding, build_block, mark_sequence_parallel
+from .blocks import BlockContext, ParallelEmbedding, build_block
 from .convert import shard_state_dict, stage_layers
-from .fused import check_kernels, make_model_norm
+from .fused import check_kernels
 from .parallel import ParallelGPT
 from .reference import GPT
 from .splits import validate_model
@@ -107,12 +107,7 @@ class PipelineGPT(ParallelGPT):
         self.layers = nn.ModuleDict({str(i): build_block(cfg, ctx, i) for s in self.stages
                                      for i in stage_layers(cfg, s, self.n_stages)})
         if self.holds_last:
-            self.final_norm = make_model_norm(cfg)
-            mark_sequence_parallel(self.final_norm, grid.sequence_parallel)
-            if not cfg.tie_embeddings:
-                self.lm_head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, grid.tp, bias=False,
-                                                    sequence_parallel=grid.sequence_parallel,
-                                                    comm_overlap=grid.tp_comm_overlap)
+            self._build_head(cfg, grid)
         self.rng = make_dropout_rng(cfg.dropout_rng, seed, grid.tp_rank, device=grid.device)
         self.load_state_dict(shard_state_dict(GPT(cfg, seed).state_dict(), cfg, grid, placement))
         self.to(grid.device)
