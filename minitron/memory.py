@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                         "last (minitron: the full gradient accumulates) or after each (DeepSpeed)")
     c.add_argument("--recompute", choices=RECOMPUTE, default="none")
     c.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    c.add_argument("--flash-attention", action="store_true", dest="flash_attention",
+                   help="flash attention: no s x s scores kept")
     c.add_argument("--grad-dtype", choices=sorted(DTYPES), default=None, dest="grad_dtype",
                    help="gradients' dtype when it differs (float32: Megatron's main grads)")
     return p

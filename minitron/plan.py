@@ -17,6 +17,7 @@ import sys
 from .hardware import GIB, GPUS, gpu as named_gpu
 from .estimate.memory import PRESETS, estimate, preset
 from .estimate.plan import RECOMPUTES, best_per_split, evaluate, plan, setup
+from .estimate.shape import Shape, expert_ffn, shared_experts
 from .estimate.time_model import SOFTWARE, Cluster, Parallel
 from .config import ModelConfig
 
@@ -31,8 +32,17 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minitron.plan", description=__doc__.split("\n")[0])
     m = p.add_argument_group("model")
     m.add_argument("--model", default="gpt3-175b", help=f"preset: {', '.join(PRESETS)}")
-    for opt in ("layers", "hidden", "heads", "vocab", "experts", "topk"):
-        m.add_argument(f"--{opt}", type=int, default=None, help="override the preset's")
+    for opt, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "query heads"),
+                      ("kv-heads", "key/value heads (grouped-query attention when fewer)"),
+                      ("ffn-hidden", "the MLP's width (default 4 x hidden)"), ("vocab", "vocabulary"),
+                      ("experts", "routed experts per MoE layer"), ("topk", "experts per token"),
+                      ("moe-ffn-hidden", "each expert's MLP width (default --ffn-hidden)"),
+                      ("shared-experts", "experts every token visits (DeepSeekMoE)")):
+        m.add_argument(f"--{opt}", type=int, default=None, help=f"{what}; overrides the preset's")
+    m.add_argument("--activation", choices=("gelu", "swiglu"), default=None)
+    m.add_argument("--norm", choices=("layernorm", "rmsnorm"), default=None)
+    m.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie the input embedding and the output layer")
     m.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, default=64)
@@ -42,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="override the GPU's " + GPU_OVERRIDES[opt][0])
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: --gpus)")
-    c.add_argument("--software", choices=sorted(SOFTWARE), default="megatron-core")
+    c.add_argument("--software", choices=list(SOFTWARE), default="megatron-core",
+                   help="the feature set (estimate/software.py): the planner proposes nothing outside it")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="how many of the best to print")
     o.add_argument("--explain", default=None, metavar="CONFIG",
@@ -57,10 +68,18 @@ def _positive(args, flag: str, works: int) -> None:
 
 
 def _model(args) -> ModelConfig:
-    cfg = preset(args.model)
+    base = preset(args.model)
+    cfg = base if isinstance(base, Shape) else Shape(**{f.name: getattr(base, f.name)
+                                                      for f in dataclasses.fields(base)})
     sizes = {"n_layers": args.layers, "hidden": args.hidden, "n_heads": args.heads,
-             "vocab_size": args.vocab, "n_experts": args.experts, "topk": args.topk}
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in sizes.items() if v is not None})
+             "n_kv_heads": args.kv_heads, "ffn_hidden": args.ffn_hidden, "vocab_size": args.vocab,
+             "n_experts": args.experts, "topk": args.topk, "moe_ffn_hidden": args.moe_ffn_hidden,
+             "shared_experts": args.shared_experts, "activation": args.activation, "norm": args.norm,
+             "tie_embeddings": args.tie}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if "n_heads" in sizes and "n_kv_heads" not in sizes and cfg.n_kv_heads and sizes["n_heads"] % cfg.n_kv_heads:
+        sizes["n_kv_heads"] = None       # the preset's kv heads do not divide the new head count
+    cfg = dataclasses.replace(cfg, **sizes)
     if args.seq and args.seq > cfg.seq_len:
         cfg = dataclasses.replace(cfg, seq_len=args.seq)
     return cfg
@@ -82,7 +101,7 @@ def _cluster(args) -> Cluster:
     return Cluster(g, args.gpus_per_node)
 
 
-def parse_config(text: str, gpus: int) -> Parallel:
+def parse_config(text: str, gpus: int, software: str = "megatron-core") -> Parallel:
     """'tp=8,pp=8,mb=1,recompute=full,sp' -> Parallel (dp defaults to what the GPUs leave)."""
     fields = {}
     for item in filter(None, text.split(",")):
@@ -106,11 +125,22 @@ def parse_config(text: str, gpus: int) -> Parallel:
     fields.setdefault("dp", max(rest, 1))
     if fields.get("virtual", 1) > 1:
         fields.setdefault("schedule", "interleaved")
+    fields.setdefault("zero", 1 if 1 in SOFTWARE[software].zeros else 0)   # the software's own
     par = Parallel(**fields)
     if par.gpus != gpus:
         raise ValueError(f"--explain: tp*pp*dp*cp*ep = {par.gpus} but --gpus is {gpus}: "
                          f"leave dp out (it is then --gpus / (tp*pp*cp*ep)) or set --gpus {par.gpus}")
     return par
+
+
+def describe(name: str, cfg, seq: int) -> str:
+    text = (f"{name}: layers={cfg.n_layers} hidden={cfg.hidden} heads={cfg.n_heads} "
+            f"kv_heads={cfg.kv_heads} ffn={cfg.ffn} {cfg.activation} {cfg.norm} vocab={cfg.vocab_size} "
+            f"seq={seq}{' tied' if cfg.tie_embeddings else ''}")
+    if cfg.n_experts:
+        text += (f" experts={cfg.n_experts} top-{cfg.topk} expert_ffn={expert_ffn(cfg)}"
+                 + (f" shared={shared_experts(cfg)}" if shared_experts(cfg) else ""))
+    return text
 
 
 def _row(o) -> str:
@@ -121,7 +151,7 @@ def _row(o) -> str:
 
 def explain(cfg, par, cluster, batch, seq, software) -> str:
     option = evaluate(cfg, par, cluster, batch, seq, software)
-    e = estimate(cfg, setup(par, cfg, batch, seq))
+    e = estimate(cfg, setup(par, cfg, batch, seq, software))
     lines = [f"configuration: {par.label()}",
              "memory (first pipeline rank): " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in e.components().items())
              + f"; total {e.total / GIB:.1f} GiB of {cluster.gpu.memory_bytes / GIB:.0f} GiB"]
@@ -139,16 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         for flag, works in (("gpus", 8), ("gpus-per-node", 8), ("global-batch", args.gpus or 8), ("seq", 2048),
-                            ("top", 5), ("layers", 24), ("hidden", 1024), ("heads", 16), ("vocab", 51200)):
+                            ("top", 5), ("layers", 24), ("hidden", 1024), ("heads", 16), ("vocab", 51200),
+                            ("kv-heads", 8), ("ffn-hidden", 4096), ("experts", 8), ("topk", 2),
+                            ("moe-ffn-hidden", 2048)):
             _positive(args, flag, works)
         cfg, cluster = _model(args), _cluster(args)
         batch, seq = args.global_batch or args.gpus, args.seq or cfg.seq_len
-        print(f"{args.model}: layers={cfg.n_layers} hidden={cfg.hidden} heads={cfg.n_heads} "
-              f"vocab={cfg.vocab_size} seq={seq}" + (f" experts={cfg.n_experts} top-{cfg.topk}" if cfg.n_experts else ""))
+        print(describe(args.model, cfg, seq))
         print(f"{args.gpus} x {cluster.gpu.name}, {cluster.gpus_per_node} per node; global batch {batch}; "
               f"software {args.software}")
         if args.explain:
-            par = parse_config(args.explain, args.gpus)
+            par = parse_config(args.explain, args.gpus, args.software)
             try:
                 text = explain(cfg, par, cluster, batch, seq, args.software)
             except ValueError as e:

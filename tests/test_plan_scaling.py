@@ -41,4 +41,6 @@ def test_committed_results_have_both_numbers_and_where_they_came_from():
 def test_cpu_prediction_takes_turns_beyond_the_cores_and_tp_pays_per_layer():
     one = predict("dp strong", 1, 256, 8, MACHINE)
     assert predict("dp weak", 4, 256, 32, MACHINE) > 2 * 0.95 * one       # 4 ranks on 2 cores
-    assert predict("tp strong", 2, 256, 8, MACHINE) > predict("dp strong", 2, 256, 8, MACHINE)
+    # at 8 ranks TP's all-reduces in every layer cost more than DP's one per step (at 2 the
+    # untied embedding and output layer that every DP rank updates whole still weigh more)
+    assert predict("tp strong", 8, 256, 8, MACHINE) > predict("dp strong", 8, 256, 8, MACHINE)

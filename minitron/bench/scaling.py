@@ -122,7 +122,7 @@ def predict(sweep: str, n: int, hidden: int, batch: int, m: dict) -> float:
     dim = sweep.split()[0]
     par = Parallel(tp=n if dim == "tp" else 1, dp=n if dim == "dp" else 1, zero=0,
                    sp=dim == "tp" and n > 1, micro_batch=batch // (n if dim == "dp" else 1))
-    seconds = step_time(model(hidden), par, cpu_cluster(m), batch, software="megatron-core").seconds
+    seconds = step_time(model(hidden), par, cpu_cluster(m), batch, software="minitron").seconds
     return seconds * max(1.0, n / m["cores"])          # more ranks than cores: they take turns
 
 

@@ -22,6 +22,11 @@ Which terms tensor (TP) and sequence (SP) parallelism divide by t:
         all-gathered sequence, kept whole by minitron (ColumnParallelLinear saves what it
         multiplied), /t only with Megatron's re-gather (keep the shard, all-gather it again
         in backward).
+Today's shapes (keyword arguments; the defaults are the paper's GPT): grouped-query attention
+with kv_heads < a keeps K and V of kv_heads/a the size (Q, K, V = 2sbh (1 + 2 kv/a)); an MLP
+of width f keeps 4sbf (GeLU in and out, 16sbh at f = 4h), SwiGLU 6sbf (the gate and up
+projections, and their product); flash attention (Dao et al.) keeps no s x s matrix, only the
+softmax's log-sum-exp, 4 bytes per query and head (4asb), whatever the recomputation.
 Recomputation: "selective" recomputes the core attention, so its scores are not stored;
 "full" stores only each layer's input (2sbh, /t under SP) and recomputes the rest.
 
@@ -73,7 +78,8 @@ def _check(b: int, s: int, h: int, a: int, t: int, sp: bool, regather: bool, rec
 
 def layer_terms(b: int, s: int, h: int, a: int, t: int = 1, *, sp: bool = False,
                 regather: bool = False, recompute: str = "none",
-                precision: Precision = PAPER) -> dict[str, int]:
+                precision: Precision = PAPER, kv_heads: int | None = None, ffn: int | None = None,
+                swiglu: bool = False, flash: bool = False) -> dict[str, int]:
     """Bytes one layer saves for backward on one rank, by term (in the order of the layer).
 
     t=1 is one device. Terms that are zero in this configuration are left out.
@@ -87,20 +93,26 @@ def layer_terms(b: int, s: int, h: int, a: int, t: int = 1, *, sp: bool = False,
     if recompute == "full":                  # only the layer's input survives the forward
         return {"layer input": act * bsh // region}
 
+    kv, f = kv_heads or a, ffn or 4 * h
     terms = {
         "norm inputs": 2 * act * bsh // region,
         "QKV and fc1 inputs": 2 * act * bsh // gathered,
-        "Q, K, V": 3 * act * bsh // t,
+        "Q, K, V": act * bsh * (a + 2 * kv) // (a * t),
         "attention scores": (2 * act + mask) * a * s * s * b // t,
         "attention output": act * bsh // t,
-        "MLP hidden (GeLU in, out)": 2 * 4 * act * bsh // t,
+        "MLP hidden (GeLU in, out)": (3 if swiglu else 2) * act * b * s * f // t,
         "residual dropout masks": 2 * mask * bsh // region,
     }
+    if flash:                                # no s x s matrix: the log-sum-exp per query and head
+        del terms["attention scores"]
+        terms["softmax log-sum-exp"] = 4 * a * s * b // t
     if precision.small_buffers:
         terms["norm mean, 1/std"] = 2 * 2 * 4 * b * s // region   # float32, 2 per token, 2 norms
         terms["causal mask"] = s * s                               # bool [s, s], 1 byte each
+    if flash:
+        terms.pop("causal mask", None)       # the kernel masks by index
     if recompute == "selective":             # the core attention is recomputed in backward
-        del terms["attention scores"]
+        terms.pop("attention scores", None)
         terms.pop("causal mask", None)
     return terms
 

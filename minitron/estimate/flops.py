@@ -17,7 +17,9 @@ layers), which gives the paper's formula
 
 and selective recomputation adds only the attention core's 4Bs^2h per layer. Causal masking
 is not discounted (the paper's convention). Grouped-query attention, a different MLP width
-and SwiGLU's third matrix are counted from the shape.
+and SwiGLU's third matrix are counted from the shape; a mixture-of-experts layer counts its
+MLP once per routed expert a token visits (topk) and once per shared expert, each of the
+experts' own width (shape.expert_ffn).
 
 Model FLOPs (recomputation not counted) over time and peak is the MFU of Chowdhery et al.
 (PaLM); counting the recomputation gives the hardware FLOPs utilisation (HFU), which is what
@@ -28,15 +30,19 @@ from __future__ import annotations
 from ..hardware import peak_of
 from ..config import ModelConfig
 from .activations import RECOMPUTE
+from .shape import expert_ffn, mlp_matrices, shared_experts
 
 
 
-def layer_forward_flops(cfg: ModelConfig, b: int, s: int) -> tuple[int, int]:
-    """(matmul FLOPs of one layer's forward outside the attention core, the core's) for b x s."""
+def layer_forward_flops(cfg: ModelConfig, b: int, s: int, moe: bool = False) -> tuple[int, int]:
+    """(matmul FLOPs of one layer's forward outside the attention core, the core's) for b x s;
+    `moe`: the layer's MLP is its experts (topk routed + shared, of the experts' width)."""
     h, hd = cfg.hidden, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
-    mlp_mats = 3 if cfg.activation == "swiglu" else 2
-    dense = 2 * b * s * (h * (q + 2 * kv) + q * h + mlp_mats * h * cfg.ffn)
+    mlp = mlp_matrices(cfg) * h * cfg.ffn
+    if moe:
+        mlp = mlp_matrices(cfg) * h * expert_ffn(cfg) * (cfg.topk + shared_experts(cfg)) + h * cfg.n_experts
+    dense = 2 * b * s * (h * (q + 2 * kv) + q * h + mlp)
     core = 2 * 2 * b * s * s * q            # QK^T and PV
     return dense, core
 
@@ -47,10 +53,14 @@ def iteration_flops(cfg: ModelConfig, batch: int, seq: int | None = None,
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute={recompute!r}: choose one of {RECOMPUTE}")
     s = seq or cfg.seq_len
-    dense, core = layer_forward_flops(cfg, batch, s)
-    extra = {"none": 0, "selective": core, "full": dense + core}[recompute]
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) if cfg.n_experts else 0
+    total = 0
+    for layers, moe in ((cfg.n_layers - n_moe, False), (n_moe, True)):
+        dense, core = layer_forward_flops(cfg, batch, s, moe)
+        extra = {"none": 0, "selective": core, "full": dense + core}[recompute]
+        total += layers * (3 * (dense + core) + extra)
     logits = 2 * batch * s * cfg.hidden * cfg.vocab_size
-    return cfg.n_layers * (3 * (dense + core) + extra) + 3 * logits
+    return total + 3 * logits
 
 
 def narayanan_flops(b: int, s: int, l: int, h: int, V: int) -> float:

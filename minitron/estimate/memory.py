@@ -54,6 +54,7 @@ from ..model.reference import Block, make_norm
 from ..pipeline.check import check
 from ..pipeline.schedules import SCHEDULES, make_schedule
 from .activations import MINITRON, PAPER, RECOMPUTE, layer_bytes, layer_terms
+from .shape import MODERN, expert_ffn, mlp_matrices, shared_experts
 
 _GPT2 = dict(vocab_size=50257, seq_len=1024, tie_embeddings=True)
 _MEGATRON = dict(vocab_size=51200, seq_len=2048, tie_embeddings=True)
@@ -64,6 +65,7 @@ PRESETS = {
     "gpt2-xl": ModelConfig(hidden=1600, n_layers=48, n_heads=25, **_GPT2),
     "gpt3-175b": ModelConfig(hidden=12288, n_layers=96, n_heads=96, **_MEGATRON),
     "1t": ModelConfig(hidden=25600, n_layers=128, n_heads=160, **_MEGATRON),   # Narayanan et al.
+    **MODERN,                                                                   # shape.py: sources
 }
 ZERO2_SYNC = ("last", "each")   # when ZeRO-2 reduce-scatters: after a step's last micro-batch, or each
 DTYPES = {"float32": (4, 4, 8, MINITRON), "bfloat16": (2, 2, 12, PAPER), "float16": (2, 2, 12, PAPER)}
@@ -95,6 +97,7 @@ class Setup:
     dtype: str = "bfloat16"
     zero2_sync: str = "last"          # ZeRO-2 under accumulation: "last" (minitron) or "each"
     grad_dtype: str | None = None     # None: dtype's own; "float32": Megatron's fp32 main grads
+    flash_attention: bool = False     # no s x s scores kept (activations.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +160,16 @@ def rank_params_split(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual: int =
             expert += numel // ep
         else:
             dense += numel
+    if expert_ffn(cfg) != cfg.ffn or shared_experts(cfg):   # shapes minitron's MoE does not build
+        moe_layers = sum(cfg.is_moe_layer(i) for s in stages for i in _stage_layers(cfg, s, n_stages))
+        expert = expert * expert_ffn(cfg) // cfg.ffn
+        dense += moe_layers * shared_experts(cfg) * mlp_matrices(cfg) * cfg.hidden * expert_ffn(cfg) // tp
     return dense, expert
+
+
+def _stage_layers(cfg: ModelConfig, stage: int, n_stages: int) -> range:
+    per = cfg.n_layers // n_stages
+    return range(stage * per, (stage + 1) * per)
 
 
 def rank_params(cfg: ModelConfig, tp: int = 1, pp: int = 1, virtual: int = 1, pp_rank: int = 0,
@@ -236,18 +248,26 @@ def _schedule_peak(name: str, pp: int, microbatches: int, virtual: int) -> float
     return float(check(make_schedule(name, pp, microbatches, virtual)).peak_activations[0])
 
 
+def shape_kwargs(cfg: ModelConfig, su: Setup) -> dict:
+    """The model's shape as activations.layer_terms takes it (GQA, MLP width, SwiGLU, flash)."""
+    return dict(kv_heads=cfg.kv_heads, ffn=cfg.ffn, swiglu=cfg.activation == "swiglu",
+                flash=su.flash_attention)
+
+
 def activation_bytes_per_layer(cfg: ModelConfig, su: Setup) -> int:
     """One layer, one micro-batch, on one rank (activations.py's terms; cp: s/cp tokens)."""
     seq = su.seq or cfg.seq_len
     precision = DTYPES[su.dtype][3]
-    kwargs = dict(sp=su.sp, regather=su.regather, recompute=su.recompute, precision=precision)
+    kwargs = dict(sp=su.sp, regather=su.regather, recompute=su.recompute, precision=precision,
+                  **shape_kwargs(cfg, su))
     terms = layer_terms(su.micro_batch, seq // su.cp, cfg.hidden, cfg.n_heads, su.tp, **kwargs)
     if "attention scores" in terms:      # s/cp queries against all s keys
         terms["attention scores"] *= su.cp
-    if cfg.n_experts and "MLP hidden (GeLU in, out)" in terms:   # MoE layers: topk visits
+    if cfg.n_experts and "MLP hidden (GeLU in, out)" in terms:   # MoE layers: topk (+ shared) visits
         moe_share = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) / cfg.n_layers
+        visits = (cfg.topk + shared_experts(cfg)) * expert_ffn(cfg) / cfg.ffn
         terms["MLP hidden (GeLU in, out)"] = round(terms["MLP hidden (GeLU in, out)"]
-                                                   * (1 + moe_share * (cfg.topk - 1)))
+                                                   * (1 + moe_share * (visits - 1)))
     return sum(terms.values())
 
 
@@ -280,7 +300,8 @@ def estimate(cfg: ModelConfig, su: Setup = Setup()) -> Estimate:
     if su.recompute == "full":
         seq = su.seq or cfg.seq_len
         working = layer_bytes(su.micro_batch, seq // su.cp, cfg.hidden, cfg.n_heads, su.tp,
-                              sp=su.sp, regather=su.regather, precision=precision)
+                              sp=su.sp, regather=su.regather, precision=precision,
+                              **shape_kwargs(cfg, su))
     activations = round(per_layer * layers * alive) + working
     return Estimate(state.params, state.grads, state.optimizer, activations, alive, layers,
                     per_layer, working)

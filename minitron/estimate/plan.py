@@ -8,9 +8,12 @@ bf16 with fp32 Adam state) fits the GPU with a margin, times each with time_mode
 ranks them. Every loser gets a reason: it did not fit, or the term of its step that grew the
 most against the winner's (bubble, TP comm across nodes, recomputation, ...).
 
-Sequence parallelism is always on with tp > 1: it moves the same bytes as TP's all-reduces and
-divides the norm/dropout activations and their work by tp, so a configuration without it never
-wins (MoE with tp > 1 needs it anyway).
+The software (software.py) bounds the space: a feature outside its setting is never proposed
+(megatron-2021 has no sequence parallelism, selective recomputation, context parallelism or
+ZeRO; megatron-2019 no pipeline). Where the software has sequence parallelism it is always on
+with tp > 1: it moves the same bytes as TP's all-reduces and divides the norm/dropout
+activations and their work by tp, so a configuration without it never wins (MoE with tp > 1
+needs it anyway).
 """
 from __future__ import annotations
 
@@ -19,11 +22,11 @@ import dataclasses
 from .. import refusals
 from ..config import ModelConfig, divisors
 from .memory import Setup, estimate
+from .software import RECOMPUTES, Software, software as named_software
 from .time_model import Breakdown, Cluster, Parallel, step_time
 
-RECOMPUTES = ("none", "selective", "full")
-MICRO_BATCHES = (1, 2, 4, 8)
-VIRTUAL = (1, 2, 4)
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+VIRTUAL = (1, 2, 3, 4)
 MEMORY_MARGIN = 0.9          # the estimate is a floor (no allocator slack, CUDA context, logits)
 
 
@@ -35,19 +38,30 @@ class Option:
     reason: str = ""                   # why it lost (empty for the winner)
 
 
-def setup(par: Parallel, cfg: ModelConfig, global_batch: int, seq: int) -> Setup:
+def setup(par: Parallel, cfg: ModelConfig, global_batch: int, seq: int,
+          software: str = "megatron-core") -> Setup:
+    sw = named_software(software)
     m = global_batch // (par.dp * par.ep * par.micro_batch)
     return Setup(tp=par.tp, sp=par.sp, pp=par.pp, virtual=par.virtual, schedule=par.schedule,
                  microbatches=m, dp=par.dp, cp=par.cp, ep=par.ep, micro_batch=par.micro_batch,
-                 seq=seq, zero=par.zero, recompute=par.recompute, regather=par.sp)
+                 seq=seq, zero=par.zero, recompute=par.recompute, regather=par.sp,
+                 grad_dtype="float32" if sw.fp32_main_grads else None,
+                 flash_attention=sw.flash_attention)
 
 
 def candidates(cfg: ModelConfig, gpus: int, global_batch: int, seq: int, max_tp: int = 16,
                max_cp: int = 8, schedules=("1f1b", "interleaved"), recomputes=RECOMPUTES,
-               sequence_parallel: bool = True, zeros=(0, 1, 2, 3)):
-    """Every valid Parallel for `gpus` GPUs (see the module docstring)."""
-    for tp in [t for t in divisors(cfg.n_heads) if t <= max_tp and gpus % t == 0]:
-        for pp in [p for p in divisors(cfg.n_layers) if gpus % (tp * p) == 0]:
+               sequence_parallel: bool = True, zeros=(0, 1, 2, 3), software: str = "megatron-core"):
+    """Every valid Parallel for `gpus` GPUs that the software offers (module docstring)."""
+    sw = named_software(software)
+    schedules = [x for x in schedules if x in sw.schedules and (x != "interleaved" or sw.interleaving)]
+    recomputes = [r for r in recomputes if r in sw.recomputes]
+    sequence_parallel = sequence_parallel and sw.sequence_parallel
+    zeros = [z for z in zeros if z in sw.zeros]
+    max_cp = max_cp if sw.context_parallel else 1
+    for tp in [t for t in divisors(cfg.n_heads) if t <= max_tp and gpus % t == 0
+               and cfg.kv_heads % t == 0]:
+        for pp in [p for p in divisors(cfg.n_layers) if gpus % (tp * p) == 0 and (p == 1 or sw.pipeline)]:
             for cp in [c for c in (1, 2, 4, 8) if c <= max_cp and seq % (2 * c) == 0
                        and gpus % (tp * pp * c) == 0]:
                 if sequence_parallel and (seq // cp) % tp:
@@ -69,7 +83,7 @@ def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zer
             schedule = "interleaved" if v > 1 else "1f1b"
             if cfg.n_layers % (pp * v) or schedule not in schedules or (v > 1 and m % pp):
                 continue
-            for zero in (zeros if dp * cp > 1 else (0,)):
+            for zero in (zeros if dp * cp > 1 else [z for z in zeros if z == 0][:1]):
                 if refusals.refusal(refusals.Options(
                         pp=pp, dp=dp, ep=ep, n_experts=cfg.n_experts, zero=zero,
                         tie_embeddings=cfg.tie_embeddings), "engine"):
@@ -81,7 +95,10 @@ def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zer
 
 def evaluate(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: int, seq: int,
              software: str = "megatron-core") -> Option:
-    mem = estimate(cfg, setup(par, cfg, global_batch, seq)).total
+    refused = named_software(software).refusal(par)
+    if refused:
+        raise ValueError(f"{par.label()}: {refused}; choose another --software or configuration")
+    mem = estimate(cfg, setup(par, cfg, global_batch, seq, software)).total
     if mem > MEMORY_MARGIN * cluster.gpu.memory_bytes:
         gib = 2**30
         return Option(par, mem, None, f"does not fit: {mem / gib:.1f} GiB > "
@@ -114,7 +131,7 @@ def plan(cfg: ModelConfig, gpus: int, cluster: Cluster, global_batch: int, seq: 
     """Every candidate, the fastest first; losers carry their reason."""
     seq = seq or cfg.seq_len
     options = [evaluate(cfg, par, cluster, global_batch, seq, software)
-               for par in candidates(cfg, gpus, global_batch, seq, **kw)]
+               for par in candidates(cfg, gpus, global_batch, seq, software=software, **kw)]
     if not options:
         raise ValueError(f"no configuration splits {gpus} GPUs with global batch {global_batch}: "
                          f"choose a batch that is a multiple of the data-parallel size, e.g. "

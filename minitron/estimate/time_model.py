@@ -12,7 +12,8 @@ replicated dp times, every layer split over tp (and cp, ep). Per micro-batch and
               SMs in whole waves, and a last partial wave runs at the cost of a full one.
   memory-bound the kernels between the GEMMs, as Megatron fuses them (2-byte activations):
               per forward 22 R (two LayerNorms: 4 R each; two bias-dropout-adds: read 2, read
-              residual 2, write 2, 1-byte mask) + 16 E/t (bias-GeLU on the 4h hidden) + 9 S
+              residual 2, write 2, 1-byte mask) + 4 E f/(h t) (bias-GeLU on the f = 4h hidden:
+              read f, write f; SwiGLU reads 2f: 6 E f/(h t)) + 9 S
               (fused scale-mask-softmax 4 S, dropout 5 S) bytes, with E = b s h, R = E (E/t under
               SP), S = b (a/t) s^2; backward moves twice the forward's bytes.
   TP          per forward 2 all-reduces of 2E bytes (SP: 2 all-gathers + 2 reduce-scatters,
@@ -27,23 +28,32 @@ Per step:
   PP          each micro-batch's activation and gradient cross each stage boundary (v times
               per rank with interleaving), split over tp (Megatron's scatter-gather), exposed
   DP          the gradients (2 bytes each) reduce-scattered and all-gathered (an all-reduce's
-              bytes; ZeRO-3 gathers the parameters once more: 1.5x). Without a pipeline the
-              engine overlaps them with the last micro-batch's backward (data_parallel/ddp.py);
-              after a pipeline's flush they are exposed.
+              bytes), once per step, over dp x cp x ep ranks for the dense weights (every rank
+              that holds the same dense shard) and dp x cp for the experts. ZeRO-3 (FSDP)
+              instead gathers the parameters before each micro-batch's forward and again
+              before its backward and reduce-scatters its gradients: 3 collectives per
+              micro-batch, each overlapped with that micro-batch's compute when the software
+              overlaps DP. Otherwise overlapped (if at all) with the last micro-batch's backward.
   optimizer   Adam over the rank's fp32 master shard: 28 bytes per parameter at HBM speed.
   grad accumulation  without Megatron's gradient-accumulation fusion (the weight-gradient GEMM
               adding into the fp32 main grad, 2022), each micro-batch's 16-bit weight gradient
               is added to it afterwards: 10 bytes per parameter per micro-batch at HBM speed.
 
-Which software runs decides two of these (SOFTWARE): Megatron-LM as of Narayanan et al. 2021
-(no accumulation fusion, data-parallel reduction after the backward), as of Korthikanti et al.
-2022 (accumulation fused), and Megatron-Core / minitron's engine (fused, and the data-parallel
-reduction overlapped with the backward when there is no pipeline).
+Which software runs decides several of these (software.py, one named feature set per release):
+flash attention (the core's s x s scores never reach HBM: no softmax/dropout bytes, causal
+blocks skipped, its backward 2.5 forwards: Dao 2023, FlashAttention-2, §3.1: the backward
+recomputes S and P, five matmuls against the forward's two); TP communication overlapped with
+the GEMMs (the first of t chunks of each collective stays exposed, the rest hides behind the
+layer's linear GEMMs); the data-parallel reduction overlapped with the last micro-batch's
+backward; gradient-accumulation fusion; the bytes of a reduced gradient.
 
 A group's bandwidth is minitron/hardware.py's link model: inside a node, NVLink's; a ring
 collective that crosses nodes with k members per node gets k NICs' worth (NCCL's rings leave the
 node once per NIC), at most NVLink's; a send (PP) or an all-to-all (EP) leaves through the GPU's
 own NIC. Members per node follow the tp-cp-ep-dp-pp rank layout of minitron/grid.py (tp fastest).
+Latency is alpha-beta per ring step: a ring collective of n ranks takes n - 1 steps per phase and
+pays the link's latency (hardware.GPU.*_latency, one hop's) at each, so it grows linearly with the
+group as NCCL's ring algorithm does.
 """
 from __future__ import annotations
 
@@ -53,6 +63,8 @@ import math
 from ..config import ModelConfig
 from .flops import iteration_flops
 from ..hardware import GPU, point_to_point_link, ring_link, ring_seconds
+from .shape import expert_ffn, mlp_matrices, shared_experts
+from .software import SOFTWARE, Software, software as named_software
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")   # fastest first, as minitron/grid.py lays ranks out
 SCHEDULE_BUBBLE = {"1f1b": 1.0, "gpipe": 1.0, "interleaved": 1.0, "zb-h1": 1 / 3}
@@ -84,18 +96,6 @@ class Parallel:
         parts += [f"dp{self.dp}"] + [f"{d}{getattr(self, d)}" for d in ("cp", "ep") if getattr(self, d) > 1]
         parts += [f"mb{self.micro_batch}", f"zero{self.zero}", self.recompute, self.schedule]
         return " ".join(parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class Software:
-    name: str
-    accumulation_fusion: bool    # the wgrad GEMM accumulates into the fp32 main grad
-    overlap_dp: bool             # gradient buckets reduced during the backward (no pipeline)
-
-
-SOFTWARE = {"megatron-2021": Software("megatron-2021", False, False),
-            "megatron-2022": Software("megatron-2022", True, False),
-            "megatron-core": Software("megatron-core", True, True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,32 +164,50 @@ def link(dim: str, par: Parallel, cluster: Cluster, point_to_point: bool = False
     return ring_link(cluster.gpu, size, k)
 
 
-def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, moe: bool) -> dict:
+def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, moe: bool,
+                  sw: Software | None = None) -> dict:
     """One layer, one micro-batch, one rank: seconds by term (forward + backward + recompute)."""
+    sw = sw or named_software("minitron")
     g, t, b = cluster.gpu, par.tp, par.micro_batch
     s_loc = seq // par.cp
     rows, h, d = b * s_loc, cfg.hidden, cfg.head_dim
     q, kv = cfg.n_heads * d, cfg.kv_heads * d
     heads = cfg.n_heads // t
     mats = 2 if cfg.activation == "swiglu" else 1
-    dense = [_linear_seconds(rows, (q + 2 * kv) // t, h, g), _linear_seconds(rows, h, q // t, g)]
+    qkv = [_linear_seconds(rows, (q + 2 * kv) // t, h, g)]
+    proj = [_linear_seconds(rows, h, q // t, g)]
     mlp_rows = rows * cfg.topk if moe else rows     # tokens this rank's experts take, on average
-    mlp = [_linear_seconds(mlp_rows, mats * cfg.ffn // t, h, g), _linear_seconds(mlp_rows, h, cfg.ffn // t, g)]
-    core = [_linear_seconds(s_loc, seq, d, g, b * heads), _linear_seconds(s_loc, d, seq, g, b * heads)]
-    fwd = lambda parts: sum(f for f, _ in parts)
+    f = expert_ffn(cfg) if moe else cfg.ffn
+    mlp = [_linear_seconds(mlp_rows, mats * f // t, h, g), _linear_seconds(mlp_rows, h, f // t, g)]
+    if moe and shared_experts(cfg):                 # every token through the shared experts too
+        n = shared_experts(cfg)
+        mlp += [_linear_seconds(rows, n * mats * f // t, h, g), _linear_seconds(rows, h, n * f // t, g)]
+    fwd = lambda parts: sum(x for x, _ in parts)
     bwd = lambda parts: sum(w for _, w in parts)
+    if sw.flash_attention:       # causal tiles skipped (about half), backward 2.5 forwards (Dao 2023)
+        core_fwd = (gemm_seconds(s_loc, seq, d, g, b * heads) + gemm_seconds(s_loc, d, seq, g, b * heads)) / 2
+        core = [(core_fwd, 2.5 * core_fwd)]
+    else:
+        core = [_linear_seconds(s_loc, seq, d, g, b * heads), _linear_seconds(s_loc, d, seq, g, b * heads)]
+    dense = qkv + proj
     redo = {"none": 0.0, "selective": fwd(core), "full": fwd(dense + mlp + core)}[par.recompute]
     compute = fwd(dense + mlp + core) + bwd(dense + mlp + core) + redo
 
     E, S = rows * h, b * heads * s_loc * seq
     R = E / t if par.sp else E
-    ew_fwd_core, ew_fwd_rest = 9 * S, 22 * R + 16 * E * (mlp_rows / rows) / t
+    ew_fwd_core = 0 if sw.flash_attention else 9 * S
+    visits = (mlp_rows / rows + shared_experts(cfg)) if moe else 1
+    ew_fwd_rest = 22 * R + 2 * (mats + 1) * E * (f / h) * visits / t
     passes = {"none": 3, "selective": 3, "full": 4}[par.recompute]      # fwd, bwd (2x), [fwd]
     core_passes = 4 if par.recompute != "none" else 3
     memory_bound = (passes * ew_fwd_rest + core_passes * ew_fwd_core) / (g.hbm_bw * g.hbm_eff)
 
     n_ar = 6 if par.recompute == "full" else 4
-    tp = n_ar * ring_seconds(2 * E, t, link("tp", par, cluster))
+    one = ring_seconds(2 * E, t, link("tp", par, cluster))
+    tp = n_ar * one
+    if sw.overlap_tp and t > 1:   # chunked collective-GEMM pipelines: the first of t chunks shows
+        linear = fwd(dense + mlp) * (2 if par.recompute == "full" else 1) + bwd(dense + mlp)
+        tp = tp / t + max(0.0, tp * (t - 1) / t - linear)
     cp = 0.0
     if par.cp > 1:
         kv_bytes = 2 * b * s_loc * 2 * kv // t
@@ -213,30 +231,58 @@ def _head_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int) -
     return {"compute": f + w, "memory-bound ops": cross_entropy, "TP comm": tp}
 
 
-def dense_params_per_rank(cfg: ModelConfig, par: Parallel) -> float:
-    """Parameters one rank holds (12h^2 per layer, experts over ep, + the embedding on its stage)."""
+def params_per_rank(cfg: ModelConfig, par: Parallel) -> tuple[float, float]:
+    """(dense, expert) parameters one rank holds: attention and dense MLPs, the experts over ep,
+    over tp; the embedding on its stage."""
     h, layers = cfg.hidden, cfg.n_layers / par.pp
-    attn = 2 * h * (cfg.n_heads + cfg.kv_heads) * cfg.head_dim
-    mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn
+    attn = h * (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * h
+    mlp = mlp_matrices(cfg) * h * cfg.ffn
+    expert = mlp_matrices(cfg) * h * expert_ffn(cfg)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) / par.pp if cfg.n_experts else 0
-    per_rank = layers * attn + (layers - n_moe) * mlp + n_moe * mlp * cfg.n_experts / par.ep
-    return per_rank / par.tp + cfg.vocab_size * h / par.tp
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_embeddings or par.pp > 1 else 2)
+    dense = layers * attn + (layers - n_moe) * mlp + n_moe * shared_experts(cfg) * expert + embeddings
+    return dense / par.tp, n_moe * expert * cfg.n_experts / par.ep / par.tp
+
+
+def dense_params_per_rank(cfg: ModelConfig, par: Parallel) -> float:
+    """All the parameters one rank holds (dense and its experts)."""
+    return sum(params_per_rank(cfg, par))
+
+
+def _dp_seconds(cfg, par, cluster, sw, m, compute_mb) -> float:
+    """The data-parallel collectives of one step, as much of them as shows (module docstring)."""
+    dense, expert = params_per_rank(cfg, par)
+    groups = ((dense, par.dp * par.cp * par.ep), (expert, par.dp * par.cp))
+    bw_lat = link("dp", par, cluster)
+    gbytes = sw.grad_reduce_bytes
+    if par.zero == 3:            # per micro-batch: gather (fwd), gather (bwd), reduce-scatter
+        per_mb = sum(ring_seconds(2 * psi, n, bw_lat, 1) * 2 + ring_seconds(gbytes * psi, n, bw_lat, 1)
+                     for psi, n in groups if psi)
+        if sw.overlap_dp:
+            return m * (max(0.0, per_mb - compute_mb) + per_mb / 25)
+        return m * per_mb
+    sync = sum(ring_seconds(gbytes * psi, n, bw_lat) for psi, n in groups if psi)
+    if sw.overlap_dp and (par.pp == 1 or sw.overlap_dp_with_pipeline):
+        window = compute_mb * 2 / 3          # the last micro-batch's backward
+        return max(0.0, sync - window) + sync / 25   # and its last bucket (~25 buckets)
+    return sync
 
 
 def step_time(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: int,
-              seq: int | None = None, software: str = "megatron-core") -> Breakdown:
-    """The predicted step, by term (see the module docstring)."""
+              seq: int | None = None, software: str = "minitron") -> Breakdown:
+    """The predicted step, by term (see the module docstring), under the named software."""
     seq = seq or cfg.seq_len
-    g, sw = cluster.gpu, SOFTWARE[software]
+    g, sw = cluster.gpu, named_software(software)
     m = global_batch // (par.dp * par.ep * par.micro_batch)
     if m < 1 or global_batch % (par.dp * par.ep * par.micro_batch):
         raise ValueError(f"global batch {global_batch} is not a multiple of dp*ep*micro_batch = "
                          f"{par.dp * par.ep * par.micro_batch}")
     layers = cfg.n_layers // par.pp                 # rank 0's layers, MoE every k-th
     n_moe = sum(cfg.is_moe_layer(i) for i in range(layers)) if cfg.n_experts else 0
-    per_stage = {k: (layers - n_moe) * v for k, v in layer_seconds(cfg, par, cluster, seq, False).items()}
+    per_stage = {k: (layers - n_moe) * v
+                 for k, v in layer_seconds(cfg, par, cluster, seq, False, sw).items()}
     if n_moe:
-        for k, v in layer_seconds(cfg, par, cluster, seq, True).items():
+        for k, v in layer_seconds(cfg, par, cluster, seq, True, sw).items():
             per_stage[k] += n_moe * v
     head = _head_seconds(cfg, par, cluster, seq)
     busiest = dict(per_stage)                       # the stage with the output layer (and embedding)
@@ -252,11 +298,7 @@ def step_time(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: i
         bw, lat = link("pp", par, cluster, point_to_point=True)
         terms["PP send/recv"] = m * par.virtual * 2 * (msg / bw + lat)
     psi = dense_params_per_rank(cfg, par)
-    grad_sync = ring_seconds(2 * psi, par.dp * par.cp, link("dp", par, cluster)) * (1.5 if par.zero == 3 else 1)
-    if par.pp == 1 and sw.overlap_dp:                # buckets overlap the last micro-batch's backward
-        window = sum(v for k, v in busiest.items() if k == "compute") * 2 / 3
-        grad_sync = max(0.0, grad_sync - window) + grad_sync / 25   # the last bucket (~25 buckets)
-    terms["DP comm"] = grad_sync
+    terms["DP comm"] = _dp_seconds(cfg, par, cluster, sw, m, busiest["compute"])
     terms["grad accumulation"] = 0.0 if sw.accumulation_fusion else m * 10 * psi / (g.hbm_bw * g.hbm_eff)
     shard = par.dp * par.cp if par.zero >= 1 else 1
     terms["optimizer"] = ADAM_BYTES * psi / shard / (g.hbm_bw * g.hbm_eff)

@@ -1,0 +1,93 @@
+"""The software a run used, as a named set of features: the one rule of the planner.
+
+Every published run is modelled with the software of its date, with the features that existed
+then, and with the settings its text (or its released launch script) states; the planner never
+proposes a feature outside the setting it is given (`allows`). Nothing here is chosen per table:
+a setting is the release, and the rows of every table of that release share it.
+
+  megatron-2019   Shoeybi et al. 2019 (arXiv:1909.08053): tensor parallelism only (no pipeline),
+                  activation checkpointing of every layer (§5: "checkpoint activations"), the
+                  data-parallel all-reduce after the backward (§3/§5.1: the 2019 code's DDP
+                  reduced the gradients once the backward had finished), fp16 gradients.
+  megatron-2021   Narayanan et al. 2021 (arXiv:2104.04473): + pipelines with the interleaved
+                  1F1B schedule and the scatter/gather optimization (§2.2.2, §4.1, used for
+                  the §5 runs), full recomputation (§3.5); gradients all-reduced after the
+                  backward by Megatron's local DDP, or during it by torch's DDP (the paper's
+                  scripts, examples/sc21/run_table_1.sh, choose `DDP=torch` without a pipeline).
+  megatron-2022   Korthikanti et al. 2022 (arXiv:2205.05198): + sequence parallelism (§4.2.2),
+                  selective recomputation (§5), the weight-gradient GEMM accumulating into the
+                  fp32 main grad (gradient-accumulation fusion).
+  megatron-core   Megatron-Core today: + context parallelism, the distributed optimizer
+                  (ZeRO-1) and FSDP (ZeRO-3), DP communication overlapped with the backward
+                  (--overlap-grad-reduce, also beside a pipeline), TP communication overlapped
+                  with the GEMMs (--tp-comm-overlap, Transformer Engine), flash attention
+                  (no s x s matrix in memory or in HBM traffic), gradients reduced in fp32
+                  under bf16 (Megatron-LM's arguments force accumulate_allreduce_grads_in_fp32
+                  for bf16).
+  minitron        minitron's own engine (train/engine.py): every parallelism of this course,
+                  ZeRO 0-3, eager attention (the s x s scores are materialised), DP overlapped
+                  with the last micro-batch's backward without a pipeline, TP not overlapped.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Software:
+    name: str
+    source: str
+    pipeline: bool = True
+    interleaving: bool = True           # interleaved 1F1B (and scatter/gather of PP messages)
+    sequence_parallel: bool = False
+    recomputes: tuple = ("none", "full")
+    context_parallel: bool = False
+    zeros: tuple = (0,)                 # ZeRO stages it offers (1: distributed optimizer, 3: FSDP)
+    accumulation_fusion: bool = False   # the wgrad GEMM accumulates into the fp32 main grad
+    overlap_dp: bool = False            # gradient buckets reduced during the backward
+    overlap_dp_with_pipeline: bool = False
+    overlap_tp: bool = False            # TP collectives hidden behind the GEMMs they feed
+    flash_attention: bool = False       # no s x s scores stored or streamed
+    grad_reduce_bytes: int = 2          # bytes per gradient element on the wire
+    fp32_main_grads: bool = False       # gradients kept in fp32 (memory)
+    schedules: tuple = ("1f1b", "interleaved")
+
+    def refusal(self, par) -> str:
+        """Why `par` uses a feature this software does not have ('' when it does not)."""
+        checks = (
+            (par.pp > 1 and not self.pipeline, f"pp{par.pp}: no pipeline parallelism"),
+            ((par.virtual > 1 or par.schedule == "interleaved") and not self.interleaving,
+             "no interleaved schedule"),
+            (par.schedule not in self.schedules, f"no {par.schedule} schedule"),
+            (par.sp and not self.sequence_parallel, "no sequence parallelism"),
+            (par.recompute not in self.recomputes, f"no {par.recompute} recomputation"),
+            (par.cp > 1 and not self.context_parallel, f"cp{par.cp}: no context parallelism"),
+            (par.zero not in self.zeros, f"no ZeRO stage {par.zero}"),
+        )
+        why = [text for refused, text in checks if refused]
+        return f"{self.name} has " + ", ".join(why) if why else ""
+
+
+SOFTWARE = {s.name: s for s in (
+    Software("megatron-2019", "Shoeybi et al. 2019, §3, §5", pipeline=False, interleaving=False,
+             schedules=("1f1b",)),
+    Software("megatron-2021", "Narayanan et al. 2021, §2.2.2, §3.5, §4.1, §5; examples/sc21"),
+    Software("megatron-2022", "Korthikanti et al. 2022, §4.2.2, §5", sequence_parallel=True,
+             recomputes=RECOMPUTES, accumulation_fusion=True),
+    Software("megatron-core", "Megatron-Core (NVIDIA/Megatron-LM, core_v0.x)", sequence_parallel=True,
+             recomputes=RECOMPUTES, context_parallel=True, zeros=(0, 1, 3), accumulation_fusion=True,
+             overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, flash_attention=True,
+             grad_reduce_bytes=4, fp32_main_grads=True),
+    Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
+             context_parallel=True, zeros=(0, 1, 2, 3), accumulation_fusion=True, overlap_dp=True,
+             schedules=("1f1b", "interleaved", "zb-h1", "gpipe")),
+)}
+
+
+def software(name: str) -> Software:
+    if name not in SOFTWARE:
+        raise ValueError(f"unknown software {name!r}: choose one of {', '.join(SOFTWARE)}, "
+                         "e.g. megatron-core")
+    return SOFTWARE[name]
