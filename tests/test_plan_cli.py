@@ -102,3 +102,43 @@ def test_fp32_gradients_are_megatrons_18_bytes_or_6_plus_12_over_d(zero, per_par
     assert e.grads == 2 * estimate(cfg, dataclasses.replace(su, grad_dtype=None)).grads
     with pytest.raises(ValueError, match="grad_dtype='fp8'"):
         estimate(cfg, dataclasses.replace(su, grad_dtype="fp8"))
+
+
+LLAMA70 = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8", "--ffn-hidden", "28672",
+           "--activation", "swiglu", "--vocab", "128256", "--gpus", "64", "--gpu", "h100"]
+
+
+def test_a_llama_like_model_from_the_command_line(capsys):
+    assert plan_cli.main(LLAMA70 + ["--seq", "8192", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kv_heads=8 ffn=28672 swiglu" in out and "software megatron-core" in out
+
+
+def test_megatron_core_has_no_s_squared_bytes_and_gqa_shrinks_k_and_v():
+    """Flash attention: doubling the sequence doubles a layer's activations and its memory-bound
+    time (no s x s term); 8 key/value heads instead of 64 shrink the Q, K, V activations 4-fold
+    (Q stays whole: (64 + 2 x 8) / (3 x 64))."""
+    from minitron.estimate.memory import activation_bytes_per_layer
+    from minitron.estimate.plan import setup
+    from minitron.estimate.shape import MODERN
+    from minitron.estimate.time_model import Cluster, Parallel, layer_seconds
+    from minitron.estimate.software import SOFTWARE
+    from minitron.hardware import GPUS
+    cfg, par = MODERN["llama3-70b"], Parallel(tp=8, sp=True, pp=4, dp=2, recompute="none")
+    mem = lambda c, s: activation_bytes_per_layer(c, setup(par, c, 64, s, "megatron-core"))
+    assert mem(cfg, 16384) == 2 * mem(cfg, 8192)
+    bound = lambda s: layer_seconds(cfg, par, Cluster(GPUS["h100"], 8), s, False,
+                                    SOFTWARE["megatron-core"])["memory-bound ops"]
+    assert bound(16384) == pytest.approx(2 * bound(8192))
+    eager = lambda s: activation_bytes_per_layer(cfg, setup(par, cfg, 64, s, "megatron-2022"))
+    assert eager(16384) > 3 * eager(8192)                       # the s^2 scores without flash
+    from minitron.estimate.activations import layer_terms
+    qkv = lambda kv: layer_terms(1, 8192, 8192, 64, 8, kv_heads=kv)["Q, K, V"]
+    assert qkv(8) / qkv(64) == pytest.approx((64 + 16) / 192)
+
+
+def test_model_shape_flags_are_checked_before_planning(capsys):
+    assert plan_cli.main(["--model", "llama3-8b", "--kv-heads", "5"]) == 2
+    assert "n_kv_heads" in capsys.readouterr().err
+    assert plan_cli.main(["--model", "gpt3-175b", "--shared-experts", "1"]) == 2
+    assert "--experts" in capsys.readouterr().err

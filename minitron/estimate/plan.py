@@ -23,7 +23,7 @@ from .. import refusals
 from ..config import ModelConfig, divisors
 from .memory import Setup, estimate
 from .software import RECOMPUTES, Software, software as named_software
-from .time_model import Breakdown, Cluster, Parallel, step_time
+from .time_model import Breakdown, Cluster, Parallel, params_per_rank, step_time
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 VIRTUAL = (1, 2, 3, 4)
@@ -93,12 +93,24 @@ def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zer
                                    zero=zero, recompute=recompute, sp=sp, schedule=schedule)
 
 
+def zero3_units(cfg: ModelConfig, par: Parallel) -> int:
+    """ZeRO-3 (FSDP) holds one layer's parameters gathered whole while it runs and prefetches the
+    next: two units of 16-bit weights and their 16-bit gradients before the reduce-scatter
+    (memory.estimate counts only the shards)."""
+    if par.zero != 3:
+        return 0
+    dense, expert = params_per_rank(cfg, par)
+    per_layer = (dense - cfg.vocab_size * cfg.hidden / par.tp) / max(1, cfg.n_layers // par.pp)
+    per_layer += expert / max(1, cfg.n_layers // par.pp)
+    return round(2 * (2 + 2) * per_layer)
+
+
 def evaluate(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: int, seq: int,
              software: str = "megatron-core") -> Option:
     refused = named_software(software).refusal(par)
     if refused:
         raise ValueError(f"{par.label()}: {refused}; choose another --software or configuration")
-    mem = estimate(cfg, setup(par, cfg, global_batch, seq, software)).total
+    mem = estimate(cfg, setup(par, cfg, global_batch, seq, software)).total + zero3_units(cfg, par)
     if mem > MEMORY_MARGIN * cluster.gpu.memory_bytes:
         gib = 2**30
         return Option(par, mem, None, f"does not fit: {mem / gib:.1f} GiB > "

@@ -14,8 +14,9 @@ fitted: every constant of the time model is a data sheet or a microbenchmark
       recomputation of every layer (--recompute-method uniform). FLOPs as the paper counts
       them (96 B s l h^2 (1 + s/6h + V/16lh), causal mask not discounted).
   Narayanan et al. 2021, §5.1 text: GPT-3 175B on 1024 A100s at batch 1536, 140 TFLOP/s per
-      GPU. The text gives no split, so the planner chooses it (megatron-2021's features):
-      the row tests the planner's choice as well as its time model.
+      GPU. The text gives no split, so the planner chooses it (megatron-2021's features, full
+      recomputation as its 8TP/(nX) estimate counts): the row tests the planner's choice as
+      well as its time model.
   Korthikanti et al. 2022, Table 3 (configurations, micro-batch 1) and Table 5 (iteration time
       with full recomputation, and with sequence parallelism + selective recomputation),
       megatron-2022; no interleaving (the paper states none, Megatron's default is off).
@@ -31,6 +32,7 @@ import dataclasses
 
 from ..config import ModelConfig
 from ..hardware import GPUS
+from .flops import iteration_flops
 from .time_model import Cluster, Parallel, step_time
 
 NARAYANAN_TABLE1 = [  # name, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU
@@ -74,8 +76,8 @@ def gpt(heads: int, hidden: int, layers: int, seq: int = 2048) -> ModelConfig:
                        seq_len=seq, tie_embeddings=True)
 
 
-def narayanan() -> list[Row]:
-    cluster, rows = Cluster(GPUS["a100"], 8), []
+def narayanan(gpus: dict = GPUS) -> list[Row]:
+    cluster, rows = Cluster(gpus["a100"], 8), []
     for name, a, h, layers, tp, pp, n, batch, tflops in NARAYANAN_TABLE1:
         mb, v = NARAYANAN_SCRIPT[name]
         par = Parallel(tp=tp, pp=pp, dp=n // (tp * pp), micro_batch=mb, virtual=v, recompute="full",
@@ -85,16 +87,21 @@ def narayanan() -> list[Row]:
     return rows
 
 
-def narayanan_text() -> Row:
-    """§5.1's 175B on 1024 GPUs: the planner's own best split, its predicted TFLOP/s per GPU."""
+def narayanan_text(gpus: dict = GPUS) -> Row:
+    """§5.1's 175B on 1024 GPUs: the planner's own best split, its predicted step in the paper's
+    units (its FLOPs with full recomputation, 8TP/(nX) of §5.1, over time and GPUs)."""
     from .plan import plan
     name, a, h, layers, n, batch, tflops = NARAYANAN_TEXT
-    best = plan(gpt(a, h, layers), n, Cluster(GPUS["a100"], 8), batch, software="megatron-2021")[0]
-    return Row(f"{name} ({best.par.label()})", tflops, best.time.flops_per_gpu / 1e12, "TFLOP/s per GPU")
+    cfg = gpt(a, h, layers)
+    best = plan(cfg, n, Cluster(gpus["a100"], 8), batch, software="megatron-2021",
+                recomputes=("full",))[0]        # §5.1's 8TP/(nX): recomputation, as in Table 1
+    paper_flops = iteration_flops(cfg, batch, cfg.seq_len, "full")
+    return Row(f"{name} ({best.par.label()})", tflops, paper_flops / best.time.seconds / n / 1e12,
+               "TFLOP/s per GPU")
 
 
-def korthikanti() -> list[Row]:
-    cluster, rows = Cluster(GPUS["a100"], 8), []
+def korthikanti(gpus: dict = GPUS) -> list[Row]:
+    cluster, rows = Cluster(gpus["a100"], 8), []
     for name, a, h, layers, tp, pp, n, batch, full, selective in KORTHIKANTI_TABLE5:
         for recompute, sp, seconds in (("full", False, full), ("selective", True, selective)):
             par = Parallel(tp=tp, pp=pp, dp=n // (tp * pp), recompute=recompute, sp=sp, zero=0)
@@ -104,9 +111,9 @@ def korthikanti() -> list[Row]:
     return rows
 
 
-def shoeybi() -> list[Row]:
+def shoeybi(gpus: dict = GPUS) -> list[Row]:
     """Weak-scaling efficiency: per-GPU FLOP/s of each run over the 1.2B model's on one GPU."""
-    cluster = Cluster(GPUS["v100"], 16)
+    cluster = Cluster(gpus["v100"], 16)
 
     def per_gpu(a, h, layers, tp, dp=1):
         par = Parallel(tp=tp, dp=dp, micro_batch=8, recompute="full", zero=0)
@@ -123,12 +130,35 @@ def shoeybi() -> list[Row]:
     return rows
 
 
-def all_rows() -> dict[str, list[Row]]:
+def all_rows(gpus: dict = GPUS) -> dict[str, list[Row]]:
     """Every published point the planner is held to, by source."""
-    return {"Narayanan et al. 2021, Table 1 (megatron-2021)": narayanan(),
-            "Narayanan et al. 2021, §5.1 text (megatron-2021, the planner's split)": [narayanan_text()],
-            "Korthikanti et al. 2022, Table 5 (megatron-2022)": korthikanti(),
-            "Shoeybi et al. 2019, Figure 5 (megatron-2019)": shoeybi()}
+    return {"Narayanan et al. 2021, Table 1 (megatron-2021)": narayanan(gpus),
+            "Narayanan et al. 2021, §5.1 text (megatron-2021, the planner's split)": [narayanan_text(gpus)],
+            "Korthikanti et al. 2022, Table 5 (megatron-2022)": korthikanti(gpus),
+            "Shoeybi et al. 2019, Figure 5 (megatron-2019)": shoeybi(gpus)}
+
+
+EFFICIENCIES = ("matmul_eff", "hbm_eff", "nvlink_eff", "net_eff")
+
+
+def sensitivity(step: float = 0.10) -> list[tuple[str, float, float, float]]:
+    """(constant, mean |error| at -step, at the constant's value, at +step) over every point:
+    each hardware efficiency of every GPU moved by the same fraction, the others held."""
+    every = lambda tables: mean_worst([r for rows in tables.values() for r in rows])[0]
+    base, out = every(all_rows()), []
+    for field in EFFICIENCIES:
+        moved = [every(all_rows({k: dataclasses.replace(g, **{field: getattr(g, field) * f})
+                                 for k, g in GPUS.items()})) for f in (1 - step, 1 + step)]
+        out.append((field, moved[0], base, moved[1]))
+    return out
+
+
+def sensitivity_table(step: float = 0.10) -> str:
+    lines = [f"mean |error| over every point when one efficiency moves by {step:.0%}:",
+             f"{'constant':<12}{'-' + format(step, '.0%'):>8}{'as is':>8}{'+' + format(step, '.0%'):>8}"]
+    lines += [f"{name:<12}{100 * lo:7.1f}%{100 * mid:7.1f}%{100 * hi:7.1f}%"
+              for name, lo, mid, hi in sensitivity(step)]
+    return "\n".join(lines)
 
 
 def mean_worst(rows: list[Row]) -> tuple[float, float]:
