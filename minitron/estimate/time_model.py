@@ -44,7 +44,7 @@ flash attention (the core's s x s scores never reach HBM: no softmax/dropout byt
 blocks skipped, its backward 2.5 forwards: Dao 2023, FlashAttention-2, §3.1: the backward
 recomputes S and P, five matmuls against the forward's two); TP communication overlapped with
 the GEMMs (the first of t chunks of each collective stays exposed, the rest hides behind the
-layer's linear GEMMs); the data-parallel reduction overlapped with the last micro-batch's
+layer's linear GEMMs; only inside a node, where Transformer Engine's userbuffers run); the data-parallel reduction overlapped with the last micro-batch's
 backward; gradient-accumulation fusion; the bytes of a reduced gradient.
 
 A group's bandwidth is minitron/hardware.py's link model: inside a node, NVLink's; a ring
@@ -205,7 +205,8 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
     n_ar = 6 if par.recompute == "full" else 4
     one = ring_seconds(2 * E, t, link("tp", par, cluster))
     tp = n_ar * one
-    if sw.overlap_tp and t > 1:   # chunked collective-GEMM pipelines: the first of t chunks shows
+    inside = members_per_node("tp", par, cluster.gpus_per_node) >= t
+    if sw.overlap_tp and t > 1 and inside:   # chunked collective-GEMM pipelines: the first of t chunks shows
         linear = fwd(dense + mlp) * (2 if par.recompute == "full" else 1) + bwd(dense + mlp)
         tp = tp / t + max(0.0, tp * (t - 1) / t - linear)
     cp = 0.0
