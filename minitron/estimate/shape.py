@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..model.config import ModelConfig
+from ..config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 
-RECOMPUTES = ("none", "selective", "full")
+from ..config import CHOICES
+
+RECOMPUTES = CHOICES["recompute"]     # none, selective, full
 
 
 @dataclasses.dataclass(frozen=True)
