@@ -33,6 +33,7 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 # The schedules whose B/W split defers dL/dW (pipeline/schedules.py; tests/test_refusals.py
 # checks this against each schedule's actions).
 DEFERS_DW = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")      # the first and the last stage on one rank (pipeline/schedules.py)
 
 
 @dataclass(frozen=True)
@@ -244,11 +245,14 @@ TABLE: tuple[Refusal, ...] = (
          lambda o: o.hsdp and not o.zero,
          "HSDP shards ZeRO's state over dp_shard of the dp ranks, and ZeRO 0 shards nothing",
          [{"zero": 1}, {"zero": 3}, {"dp_shard": None}], "--tp 1 --dp 4 --dp-shard 2 --zero 0"),
-    _row("tie-zero3-pipeline", "engine", ("pp", "tie_embeddings", "zero"),
-         lambda o: o.zero == 3 and o.tie_embeddings and o.pipelined and o.engine,
-         "ZeRO-3 holds a tied embedding gathered through each micro-batch; inside pipeline stages "
-         "its two uses sit on other stages or interleave",
-         [{"tie_embeddings": False}, {"zero": 1}, {"pp": 1}], "--tp 1 --pp 2 --tie --dp 2 --zero 3"),
+    _row("tie-zero3-v-schedule", "engine", ("schedule", "tie_embeddings", "zero"),
+         lambda o: o.zero == 3 and o.tie_embeddings and o.schedule in V_SHAPED and o.engine,
+         "a V schedule puts the first and the last stage on one rank, so the one tied weight's two "
+         "uses (lookup, output layer) interleave across micro-batches; ZeRO-3 keeps a tied weight "
+         "gathered from the lookup to its reduce, which only micro-batches run one after the other "
+         "allow (across ranks each copy is a unit of its own: --schedule 1f1b works)",
+         [{"schedule": "1f1b"}, {"tie_embeddings": False}, {"zero": 1}],
+         "--tp 1 --pp 2 --schedule zb-v --microbatches 4 --layers 4 --tie --dp 2 --zero 3"),
     _row("float16-pipeline", "engine", ("dtype", "pp"),
          lambda o: o.dtype == "float16" and o.pipelined and o.engine,
          "the pipeline executor takes no loss scale (its backward would need the scaled loss on "

@@ -1,7 +1,8 @@
 """ZeRO-3 with tied embeddings (data_parallel/zero3.py): the word embedding has one owner, the
 embedding unit, held gathered from the lookup's forward to its reduce-scatter, which sends the sum
 of both uses' gradients. Checked against the reference (gradients and updates, 2 micro-batches),
-traffic counted exactly, and the refusals that remain."""
+traffic counted exactly, and the refusal that remains (V schedules; across pipeline ranks:
+tests/test_zero3_tied_pipeline.py)."""
 import pytest
 import torch
 
@@ -53,7 +54,8 @@ def test_the_tied_unit_is_gathered_once_per_microbatch(run_ranks, micro):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tp", "1", "--dp", "2", "--pp", "2", "--zero", "3", "--tie"], "ZeRO-3 holds a tied embedding"),
+    (["--tp", "1", "--dp", "2", "--pp", "2", "--zero", "3", "--tie", "--schedule", "zb-v",
+      "--layers", "4", "--microbatches", "4"], "the one tied weight's two uses"),
 ])
 def test_zero3_tied_in_pipelines_is_refused(capsys, argv, message):
     assert verify_cli.main(argv) == 2

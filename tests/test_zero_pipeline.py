@@ -62,8 +62,10 @@ def test_refusals_left():
     sched = make_schedule("1f1b", 2, M)
     pcfg = ParallelConfig(dp=2, pp=2)
     check_supported(pcfg, ModelConfig(**BASE), torch.float32, 3, sched)   # built now
-    with pytest.raises(ValueError, match="use tie_embeddings=False"):
-        check_supported(pcfg, ModelConfig(**BASE, tie_embeddings=True), torch.float32, 3, sched)
+    check_supported(pcfg, ModelConfig(**BASE, tie_embeddings=True), torch.float32, 3, sched)
+    with pytest.raises(ValueError, match="use schedule='1f1b'"):    # one rank, both stages
+        check_supported(pcfg, ModelConfig(**{**BASE, "n_layers": 4}, tie_embeddings=True), torch.float32,
+                        3, make_schedule("zb-v", 2, M))
 
 
 # ---- memory and traffic, exactly ------------------------------------------------------------

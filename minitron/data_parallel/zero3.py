@@ -36,32 +36,37 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return first + list(layers) + last
 
 
-def _is_expert(p: nn.Parameter) -> bool:
-    return getattr(p, "allreduce", True) is False          # moe/layer.py marks them
+def _kind(p: nn.Parameter) -> str:
+    """experts: summed over dp_cp (moe/layer.py marks them allreduce = False); tied: a pipeline's
+    tied embedding, summed over grid.embedding too (pipeline/partition.py); else dense."""
+    if getattr(p, "allreduce", True) is False:
+        return "experts"
+    return "tied" if getattr(p, "shared_embedding", False) else "dense"
 
 
-def split_expert_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, its parameters) for `module`'s unit and, apart, for each largest submodule that
-    holds only expert parameters (an MoE layer's GroupedExperts): those are summed and sharded
-    over dp_cp, not dense_dp (ddp.reduction_group), so they are gathered by a unit of their own,
-    inside the layer's, around the experts' own forward and backward."""
-    def experts_only(m):
-        ps = [p for p in m.parameters() if p.requires_grad]
-        return bool(ps) and all(_is_expert(p) for p in ps)
+def split_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, its parameters) for `module`'s unit and, apart, for each largest submodule whose
+    parameters are all experts or all a tied embedding. Experts are summed and sharded over
+    dp_cp, not dense_dp (ddp.reduction_group); a tied embedding's shards are summed over the
+    first and last stage, which needs the same layout there. Each such unit is gathered around
+    its own module's forward and backward, inside the enclosing module's unit."""
+    def kind_of(m):
+        kinds = {_kind(p) for p in m.parameters() if p.requires_grad}
+        return kinds.pop() if len(kinds) == 1 else None
 
-    if experts_only(module):
+    if kind_of(module) is not None:
         return [(module, [p for p in module.parameters() if p.requires_grad])]
     nested = []
 
     def walk(m):
         for child in m.children():
-            (nested.append if experts_only(child) else walk)(child)
+            (nested.append if kind_of(child) not in (None, "dense") else walk)(child)
     walk(module)
     inner = {p for n in nested for p in n.parameters()}
     own = [p for p in module.parameters() if p.requires_grad and p not in inner]
-    if any(_is_expert(p) for p in own):
-        raise ValueError(f"ZeroStage3: {type(module).__name__} holds expert parameters outside a "
-                         "submodule of experts only: give them one (units= to choose by hand)")
+    if any(_kind(p) != "dense" for p in own):
+        raise ValueError(f"ZeroStage3: {type(module).__name__} holds expert or tied parameters "
+                         "outside a submodule of their own: give them one (or pass units=)")
     return ([(module, own)] if own else []) + \
         [(n, [p for p in n.parameters() if p.requires_grad]) for n in nested]
 
@@ -165,7 +170,8 @@ class ZeroStage3(GradientEngine):
 
     Experts: an MoE layer's expert weights are summed over dp_cp, the ranks that hold the same
     experts (ddp.py), not dense_dp; so they form a unit of their own (split_expert_units), sharded
-    over dp_cp and gathered around the experts' forward and backward inside the layer's unit,
+    over dp_cp and gathered around the experts' forward and backward inside the layer's unit
+    (split_units),
     whose dense weights are sharded over dense_dp as usual. Both are averaged by 1/dense_dp, as
     in DataParallel, and per micro-batch each costs 3 (N-1)/N of its bytes over its own group
     (N = dense_dp or dp_cp). Megatron-Core's distributed optimizer shards expert state over its
@@ -194,7 +200,16 @@ class ZeroStage3(GradientEngine):
     gradients into the one .grad before the post-accumulate hook fires, so one reduce-scatter
     sends their sum. The price: the V/tp x h table stays whole through the micro-batch; it is
     gathered once per micro-batch, not twice (tests/test_zero3_tied.py counts the bytes).
-    Inside pipeline stages the two uses sit on other ranks or interleave: refused.
+
+    Tied embeddings across pipeline stages (PipelineGPT.tied_across_ranks): the first stage's
+    word embedding and the last stage's copy (marked shared_embedding) are each a unit of their
+    own (split_units), the same single tensor in the same layout, so the two ranks keep the same
+    elements; each is gathered around its one use (the lookup; the copy's forward, which is the
+    output layer) like any unit. finish_grad_sync then sums the two gradient shards over
+    grid.embedding, Megatron's _allreduce_word_embedding_grads on 1/N of the bytes, and both
+    copies take the same step. With the first and last stage on one rank (ZB-V, DualPipeV) the
+    one weight's two uses interleave across micro-batches, which a held unit cannot follow:
+    refused (minitron/refusals.py).
 
     Pipelines (PipelineGPT: only this rank's stages; one unit per layer it holds) need nothing
     more: a stage runs its units' forwards m times and their backwards m times, each with its
@@ -215,7 +230,7 @@ class ZeroStage3(GradientEngine):
     def __init__(self, model: nn.Module, grid: Grid, units: list[nn.Module] | None = None):
         self.model, self.grid = model, grid
         units = [piece for m in (units if units is not None else default_units(model))
-                 for piece in split_expert_units(m)]
+                 for piece in split_units(m)]
         self.names = {p: n for n, p in model.named_parameters()}
         owned = [p for _, ps in units for p in ps]
         wanted = [p for p in model.parameters() if p.requires_grad]
@@ -239,10 +254,11 @@ class ZeroStage3(GradientEngine):
             if not u.sharded:
                 u.share_shard()
         self.unit_of = {p: u for u in self.units for p in u.params}
-        if getattr(model.cfg, "tie_embeddings", False):    # the tied weight: see the class doc
-            if getattr(model, "n_stages", 1) > 1:
-                raise ValueError("ZeroStage3 holds a tied embedding gathered through a micro-batch; "
-                                 "inside pipeline stages: use tie_embeddings=False")
+        self.tied = [u for u in self.units if _kind(u.params[0]) == "tied"]   # across stages
+        if getattr(model.cfg, "tie_embeddings", False) and not getattr(model, "tied_across_ranks", False):
+            if getattr(model, "n_stages", 1) > 1:    # one rank, two stages: see the class doc
+                raise ValueError("ZeroStage3 holds a tied embedding gathered from the lookup to its "
+                                 "reduce, which two stages on one rank interleave: untie it")
             self.unit_of[model.embedding.word.weight].held = True
         self._hooks = []
         for u in self.units:
@@ -292,6 +308,8 @@ class ZeroStage3(GradientEngine):
                 u.reduce_grads(self.scale)
             u.free(force=True)
             u.reset()
+        for u in self.tied:                   # both copies' gradients: first + last stage
+            comm.all_reduce(u.grad_shard, self.grid.embedding)
         self.sync_replicas(self.grad_shards)
         sum_sequence_parallel_grads(self, self.grid)
 

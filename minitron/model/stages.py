@@ -72,12 +72,17 @@ def check_placement(cfg: ModelConfig, pp: int, placement: tuple[int, ...]) -> No
 
 
 class _WordEmbeddingCopy(nn.Module):
-    """The last stage's copy of the tied word embedding, as `embedding.word` (the same name)."""
+    """The last stage's copy of the tied word embedding, as `embedding.word` (the same name).
+    Its forward is the output layer, `project(x)` with this weight: called as a module, so that
+    whoever hooks modules sees the weight's use (ZeRO-3 gathers it: data_parallel/zero3.py)."""
 
     def __init__(self, cfg: ModelConfig, ctx: BlockContext):
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, ctx.grid.tp,
                                            sequence_parallel=ctx.grid.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, project) -> torch.Tensor:
+        return project(x)
 
 
 class PipelineGPT(ParallelGPT):
@@ -135,6 +140,11 @@ class PipelineGPT(ParallelGPT):
         if stage == self.n_stages - 1:
             return self.output_layer(self.final_norm(x))
         return x
+
+    def output_layer(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(getattr(self, "embedding", None), _WordEmbeddingCopy):   # the tied copy
+            return self.embedding(x, super().output_layer)
+        return super().output_layer(x)
 
     def stage_aux_loss(self, stage: int) -> torch.Tensor | None:
         """The routers' auxiliary losses of stage `stage`'s MoE layers, from its last forward."""
