@@ -142,3 +142,25 @@ def test_model_shape_flags_are_checked_before_planning(capsys):
     assert "n_kv_heads" in capsys.readouterr().err
     assert plan_cli.main(["--model", "gpt3-175b", "--shared-experts", "1"]) == 2
     assert "--experts" in capsys.readouterr().err
+
+
+def test_uneven_stages_cut_126_layers_into_16_stages_only_where_the_software_has_them():
+    """Llama 3 (Dubey et al. 2024, §3.3.2) ran 126 layers on 16 stages, one layer fewer on the first
+    and the last: Megatron-Core can (trim 1: 7 + 14 x 8 + 7), Megatron-LM 2022 cannot."""
+    from minitron.estimate.plan import candidates
+    from minitron.estimate.shape import MODERN
+    from minitron.estimate.time_model import Cluster, Parallel, step_time
+    from minitron.hardware import GPUS
+    cfg = MODERN["llama3-405b"]
+    core = {(p.pp, p.trim) for p in candidates(cfg, 8192, 2048, 8192, max_cp=1, software="megatron-core")}
+    old = {(p.pp, p.trim) for p in candidates(cfg, 8192, 2048, 8192, max_cp=1, software="megatron-2022")}
+    assert (16, 1) in core and not any(pp == 16 for pp, _ in old) and {pp for pp, _ in old} <= {1, 2}
+    par = Parallel(tp=8, sp=True, pp=16, dp=64, trim=1, recompute="full", zero=1)
+    assert par.stage_layers(cfg.n_layers) == 8
+    cluster = Cluster(GPUS["h100"], 8)
+    uneven = step_time(cfg, par, cluster, 2048, software="megatron-core")
+    padded = step_time(dataclasses.replace(cfg, n_layers=128), dataclasses.replace(par, trim=0), cluster, 2048,
+                       software="megatron-core")
+    assert uneven.seconds < padded.seconds          # the head no longer sits on a full stage
+    from minitron.estimate.software import SOFTWARE
+    assert "no uneven pipeline stages" in SOFTWARE["megatron-2022"].refusal(par)

@@ -61,7 +61,9 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, seq: int, max_tp:
     max_cp = max_cp if sw.context_parallel else 1
     for tp in [t for t in divisors(cfg.n_heads) if t <= max_tp and gpus % t == 0
                and cfg.kv_heads % t == 0]:
-        for pp in [p for p in divisors(cfg.n_layers) if gpus % (tp * p) == 0 and (p == 1 or sw.pipeline)]:
+        for pp, trim in _splits(cfg.n_layers, sw):
+            if gpus % (tp * pp):
+                continue
             for cp in [c for c in (1, 2, 4, 8) if c <= max_cp and seq % (2 * c) == 0
                        and gpus % (tp * pp * c) == 0]:
                 if sequence_parallel and (seq // cp) % tp:
@@ -71,17 +73,27 @@ def candidates(cfg: ModelConfig, gpus: int, global_batch: int, seq: int, max_tp:
                         continue
                     dp = gpus // (tp * pp * cp * ep)
                     yield from _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes,
-                                      sequence_parallel and tp > 1, zeros)
+                                      sequence_parallel and tp > 1, zeros, trim)
 
 
-def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zeros):
+def _splits(n_layers: int, sw: Software):
+    """(pp, trim): every even cut of the layers, and, where the software has uneven stages, the
+    pipelines an even cut cannot make whose first and last stage take one layer fewer."""
+    for p in range(1, n_layers + 1):
+        if n_layers % p == 0 and (p == 1 or sw.pipeline):
+            yield p, 0
+        elif sw.uneven_stages and p > 2 and (n_layers + 2) % p == 0 and (n_layers + 2) // p > 1:
+            yield p, 1
+
+
+def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zeros, trim=0):
     for mb in MICRO_BATCHES:
         if global_batch % (dp * ep * mb):
             continue
         m = global_batch // (dp * ep * mb)
-        for v in (VIRTUAL if pp > 1 else (1,)):
+        for v in (VIRTUAL if pp > 1 and not trim else (1,)):
             schedule = "interleaved" if v > 1 else "1f1b"
-            if cfg.n_layers % (pp * v) or schedule not in schedules or (v > 1 and m % pp):
+            if (cfg.n_layers + 2 * trim) % (pp * v) or schedule not in schedules or (v > 1 and m % pp):
                 continue
             for zero in (zeros if dp * cp > 1 else [z for z in zeros if z == 0][:1]):
                 if refusals.refusal(refusals.Options(
@@ -90,7 +102,7 @@ def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zer
                     continue                   # the engine refuses these (minitron/refusals.py)
                 for recompute in recomputes:
                     yield Parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual=v, micro_batch=mb,
-                                   zero=zero, recompute=recompute, sp=sp, schedule=schedule)
+                                   zero=zero, recompute=recompute, sp=sp, schedule=schedule, trim=trim)
 
 
 def zero3_units(cfg: ModelConfig, par: Parallel) -> int:
@@ -100,8 +112,8 @@ def zero3_units(cfg: ModelConfig, par: Parallel) -> int:
     if par.zero != 3:
         return 0
     dense, expert = params_per_rank(cfg, par)
-    per_layer = (dense - cfg.vocab_size * cfg.hidden / par.tp) / max(1, cfg.n_layers // par.pp)
-    per_layer += expert / max(1, cfg.n_layers // par.pp)
+    layers = max(1, par.stage_layers(cfg.n_layers))
+    per_layer = (dense - cfg.vocab_size * cfg.hidden / par.tp) / layers + expert / layers
     return round(2 * (2 + 2) * per_layer)
 
 
@@ -110,7 +122,10 @@ def evaluate(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: in
     refused = named_software(software).refusal(par)
     if refused:
         raise ValueError(f"{par.label()}: {refused}; choose another --software or configuration")
-    mem = estimate(cfg, setup(par, cfg, global_batch, seq, software)).total + zero3_units(cfg, par)
+    # uneven stages: memory as if every stage held a middle stage's layers (an upper bound on
+    # the first stage, which holds `trim` fewer, and about right for the second)
+    mem_cfg = dataclasses.replace(cfg, n_layers=cfg.n_layers + 2 * par.trim) if par.trim else cfg
+    mem = estimate(mem_cfg, setup(par, cfg, global_batch, seq, software)).total + zero3_units(cfg, par)
     if mem > MEMORY_MARGIN * cluster.gpu.memory_bytes:
         gib = 2**30
         return Option(par, mem, None, f"does not fit: {mem / gib:.1f} GiB > "

@@ -51,6 +51,8 @@ KORTHIKANTI_TABLE5 = [  # name, heads, hidden, layers, tp, pp, gpus, batch, seco
 # (layers / pp / --num-layers-per-virtual-pipeline-stage; 1 when the script sets none)
 NARAYANAN_SCRIPT = {"1.7B": (16, 1), "3.6B": (16, 1), "7.5B": (16, 1), "18.4B": (8, 1), "39.1B": (4, 1),
                     "76.1B": (2, 3), "145.6B": (2, 2), "310.1B": (1, 2), "529.6B": (1, 3), "1008B": (1, 1)}
+NARAYANAN_TABLE2_175B_GPUS = (384, 768, 1536)   # Table 2: 175B at t8 x p12, batch 1536 (not held: its
+#                                                 figures compare with ZeRO-3, not a split of ours)
 NARAYANAN_TEXT = ("175B on 1024 GPUs", 96, 12288, 96, 1024, 1536, 140)   # §5.1, no split given
 SHOEYBI_WEAK = [  # name, heads, hidden, layers, model-parallel GPUs, efficiency on those, on 64x as many
     ("1.2B", 16, 1536, 40, 1, 1.00, 0.96), ("2.5B", 20, 1920, 54, 2, 0.95, 0.83),

@@ -23,7 +23,7 @@ a setting is the release, and the rows of every table of that release share it.
                   with the GEMMs (--tp-comm-overlap, Transformer Engine), flash attention
                   (no s x s matrix in memory or in HBM traffic), gradients reduced in fp32
                   under bf16 (Megatron-LM's arguments force accumulate_allreduce_grads_in_fp32
-                  for bf16).
+                  for bf16), uneven pipeline stages (--decoder-first/last-pipeline-num-layers).
   minitron        minitron's own engine (train/engine.py): every parallelism of this course,
                   ZeRO 0-3, eager attention (the s x s scores are materialised), DP overlapped
                   with the last micro-batch's backward without a pipeline, TP not overlapped.
@@ -55,6 +55,7 @@ class Software:
     grad_reduce_bytes: int = 2          # bytes per gradient element on the wire
     fp32_main_grads: bool = False       # gradients kept in fp32 (memory)
     schedules: tuple = ("1f1b", "interleaved")
+    uneven_stages: bool = False         # first/last stage with fewer layers (1F1B only)
 
     def refusal(self, par) -> str:
         """Why `par` uses a feature this software does not have ('' when it does not)."""
@@ -67,6 +68,8 @@ class Software:
             (par.recompute not in self.recomputes, f"no {par.recompute} recomputation"),
             (par.cp > 1 and not self.context_parallel, f"cp{par.cp}: no context parallelism"),
             (par.zero not in self.zeros, f"no ZeRO stage {par.zero}"),
+            (par.trim and not self.uneven_stages, "no uneven pipeline stages"),
+            (par.trim and par.virtual > 1, "uneven stages only without interleaving"),
         )
         why = [text for refused, text in checks if refused]
         return f"{self.name} has " + ", ".join(why) if why else ""
@@ -81,7 +84,7 @@ SOFTWARE = {s.name: s for s in (
     Software("megatron-core", "Megatron-Core (NVIDIA/Megatron-LM, core_v0.x)", sequence_parallel=True,
              recomputes=RECOMPUTES, context_parallel=True, zeros=(0, 1, 3), accumulation_fusion=True,
              overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, flash_attention=True,
-             grad_reduce_bytes=4, fp32_main_grads=True),
+             grad_reduce_bytes=4, fp32_main_grads=True, uneven_stages=True),
     Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
              context_parallel=True, zeros=(0, 1, 2, 3), accumulation_fusion=True, overlap_dp=True,
              schedules=("1f1b", "interleaved", "zb-h1", "gpipe")),

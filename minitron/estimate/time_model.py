@@ -25,6 +25,9 @@ replicated dp times, every layer split over tp (and cp, ep). Per micro-batch and
   EP          all-to-all dispatch and combine of the top-k tokens, forward and backward.
 Per step:
   bubble      (p-1)/v stage-times idle (1F1B, GPipe; interleaved divides by v; ZB-H1 a third)
+  uneven      Parallel.trim: the first and last stage hold `trim` layers fewer than the middle
+              ones (Llama 3, Dubey et al. 2024, §3.3.2: one layer fewer on each, to balance the
+              embedding and the output layer); the slowest stage sets the step
   PP          each micro-batch's activation and gradient cross each stage boundary (v times
               per rank with interleaving), split over tp (Megatron's scatter-gather), exposed
   DP          the gradients (2 bytes each) reduce-scattered and all-gathered (an all-reduce's
@@ -84,6 +87,11 @@ class Parallel:
     recompute: str = "none"
     sp: bool = False
     schedule: str = "1f1b"      # "interleaved" when virtual > 1
+    trim: int = 0               # uneven stages: the first and last stage hold `trim` layers fewer
+
+    def stage_layers(self, n_layers: int) -> int:
+        """Layers of a middle stage: (n + 2 trim) / pp (all stages equal when trim is 0)."""
+        return (n_layers + 2 * self.trim) // self.pp
 
     @property
     def gpus(self) -> int:
@@ -94,6 +102,7 @@ class Parallel:
         if self.virtual > 1:
             parts.append(f"v{self.virtual}")
         parts += [f"dp{self.dp}"] + [f"{d}{getattr(self, d)}" for d in ("cp", "ep") if getattr(self, d) > 1]
+        parts += [f"trim{self.trim}"] if self.trim else []
         parts += [f"mb{self.micro_batch}", f"zero{self.zero}", self.recompute, self.schedule]
         return " ".join(parts)
 
@@ -235,11 +244,11 @@ def _head_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int) -
 def params_per_rank(cfg: ModelConfig, par: Parallel) -> tuple[float, float]:
     """(dense, expert) parameters one rank holds: attention and dense MLPs, the experts over ep,
     over tp; the embedding on its stage."""
-    h, layers = cfg.hidden, cfg.n_layers / par.pp
+    h, layers = cfg.hidden, par.stage_layers(cfg.n_layers) if par.trim else cfg.n_layers / par.pp
     attn = h * (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * h
     mlp = mlp_matrices(cfg) * h * cfg.ffn
     expert = mlp_matrices(cfg) * h * expert_ffn(cfg)
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) / par.pp if cfg.n_experts else 0
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) / cfg.n_layers * layers if cfg.n_experts else 0
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_embeddings or par.pp > 1 else 2)
     dense = layers * attn + (layers - n_moe) * mlp + n_moe * shared_experts(cfg) * expert + embeddings
     return dense / par.tp, n_moe * expert * cfg.n_experts / par.ep / par.tp
@@ -278,17 +287,23 @@ def step_time(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: i
     if m < 1 or global_batch % (par.dp * par.ep * par.micro_batch):
         raise ValueError(f"global batch {global_batch} is not a multiple of dp*ep*micro_batch = "
                          f"{par.dp * par.ep * par.micro_batch}")
-    layers = cfg.n_layers // par.pp                 # rank 0's layers, MoE every k-th
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(layers)) if cfg.n_experts else 0
-    per_stage = {k: (layers - n_moe) * v
-                 for k, v in layer_seconds(cfg, par, cluster, seq, False, sw).items()}
-    if n_moe:
-        for k, v in layer_seconds(cfg, par, cluster, seq, True, sw).items():
-            per_stage[k] += n_moe * v
+    layers = par.stage_layers(cfg.n_layers)         # a stage's layers, MoE every k-th
+    dense_layer = layer_seconds(cfg, par, cluster, seq, False, sw)
+    moe_layer = layer_seconds(cfg, par, cluster, seq, True, sw) if cfg.n_experts else None
+
+    def stage_terms(n: int) -> dict:
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(n)) if cfg.n_experts else 0
+        out = {k: (n - n_moe) * v for k, v in dense_layer.items()}
+        for k, v in (moe_layer or {}).items():
+            out[k] += n_moe * v
+        return out
+    per_stage = stage_terms(layers)
     head = _head_seconds(cfg, par, cluster, seq)
-    busiest = dict(per_stage)                       # the stage with the output layer (and embedding)
+    busiest = stage_terms(layers - par.trim)        # the stage with the output layer (and embedding)
     for k, v in head.items():
         busiest[k] += v
+    if sum(per_stage.values()) > sum(busiest.values()):
+        busiest = per_stage                         # uneven stages: a middle stage is the slowest
     terms = {k: m * v for k, v in busiest.items()}
 
     stage = sum(per_stage.values())
