@@ -164,3 +164,11 @@ def test_uneven_stages_cut_126_layers_into_16_stages_only_where_the_software_has
     assert uneven.seconds < padded.seconds          # the head no longer sits on a full stage
     from minitron.estimate.software import SOFTWARE
     assert "no uneven pipeline stages" in SOFTWARE["megatron-2022"].refusal(par)
+
+
+def test_megatron_2021_on_the_command_line_proposes_no_sp_selective_or_cp(capsys):
+    argv = ["--model", "gpt3-175b", "--gpus", "384", "--global-batch", "1536", "--software", "megatron-2021",
+            "--top", "50"]
+    assert plan_cli.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("tp", "  tp"))]
+    assert rows and not any("+sp" in r or "selective" in r or " cp" in r for r in rows)
