@@ -5,7 +5,6 @@ token sent to the wrong expert (the moe-route plant) is counted pair for pair.""
 import pytest
 import torch
 
-from minitron.data_parallel.precision import tolerance16
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
 from minitron.verify import Report, run_rank
@@ -34,7 +33,7 @@ def test_reference_routing_passes_at_the_16_bit_tolerance(run_ranks, grid):
     rows = _routing(report)
     assert len(rows) == 2 and all(r.err == 0 and "reference's taken" in r.quantity for r in rows)
     compared = {r.quantity: r.tol for r in report.rows if r.step == 0}
-    assert compared["logits"] == compared["loss"] == tolerance16(torch.bfloat16)
+    assert compared["logits"] > 0 and compared["loss"] > 0     # the twins' noise (checks.noise_rows)
     assert any(q.startswith("grad layers.*.mlp.router") for q in compared)
 
 

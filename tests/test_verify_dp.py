@@ -3,7 +3,7 @@
 Each case runs verify's per-rank body (run_rank) on the test pool, tiny shapes, dropout on: every
 dp rank takes its own rows of the global batch, and logits, loss, dL/dX, every reduced gradient
 and every update must equal the reference on the whole batch (float32 tolerances; 16-bit ones,
-precision.tolerance16, against a reference in the same precision with fp32 masters); replicas
+checks.noise_rows, against a reference in the same precision with fp32 masters); replicas
 bitwise over tp and dp. The two data-parallel plants must fail, by the rows that should see them.
 """
 import pytest
@@ -14,7 +14,7 @@ from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
 from minitron.pipeline.schedules import make_schedule
-from minitron.data_parallel.precision import tolerance16
+from minitron.verify.checks import update_tolerance
 from minitron.verify import Report, run_rank
 
 SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
@@ -47,10 +47,13 @@ def test_data_parallel_runs_match_the_reference(run_ranks, name):
     replicas = [r for r in report.rows if r.quantity.startswith("replicas")]
     assert replicas and all(r.err == 0.0 for r in replicas)
     dtype = CASES[name][2]
-    if dtype != torch.float32:      # the 16-bit bar is used, and not by a wide margin
+    if dtype != torch.float32:      # held to the twins' noise (checks.noise_rows), norm-wise and along
         grads = [r for r in report.rows if r.quantity.startswith("grad")]
-        assert all(r.tol == tolerance16(dtype) for r in grads)
+        assert any(r.quantity.endswith(" along") for r in grads)
+        assert all(0 < r.tol < 1 for r in grads if "attention.k.bias" not in r.quantity)
         assert max(r.err for r in grads) > torch.finfo(dtype).eps / 4
+        masters = [r for r in report.rows if r.quantity.startswith("master")]
+        assert masters and all(r.tol == update_tolerance() for r in masters)
 
 
 def test_tied_embedding_across_stages_and_replicas(run_ranks):

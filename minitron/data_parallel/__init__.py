@@ -23,7 +23,7 @@ parts; minitron.train.engine.TrainingRun puts these together for any grid):
         engine.zero_grad()
 """
 from .buffer import Bucket, FlatLayout, GroupBuffer
-from .checks import gathered_grads, gathered_params, load_grads
+from .checks import gathered_grads, gathered_masters, gathered_params, load_grads, master_pieces
 from .ddp import DEFAULT_BUCKET_NUMEL, DataParallel, reduction_group
 from .engine_api import GradientEngine
 from .memory import StateBytes, formula_bytes, hsdp_wire_bytes, measure, traffic_wire_bytes
@@ -46,4 +46,5 @@ def wrap(model, grid, zero_stage: int = 0, bucket_numel: int | None = DEFAULT_BU
 __all__ = ["Bucket", "FlatLayout", "GroupBuffer", "GradientEngine", "DataParallel",
            "DEFAULT_BUCKET_NUMEL", "reduction_group", "ZeroOptimizer", "ZeroStage3", "default_units", "StateBytes",
            "formula_bytes", "hsdp_wire_bytes", "measure", "traffic_wire_bytes", "gathered_grads", "gathered_params",
+           "gathered_masters", "master_pieces",
            "load_grads", "wrap"]

@@ -14,10 +14,11 @@ from ..runtime import comm
 from .engine_api import GradientEngine
 
 
-def _assemble(engine: GradientEngine, pieces_of, replicated: bool) -> dict[str, torch.Tensor]:
+def _assemble(engine: GradientEngine, pieces_of, replicated: bool,
+              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     out = {}
     for p in engine.parameters:
-        full = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        full = torch.zeros(p.numel(), dtype=dtype or p.dtype, device=p.device)
         for i, t in pieces_of(p):
             full[i:i + t.numel()].copy_(t)
         if not replicated:
@@ -36,6 +37,33 @@ def gathered_params(engine: GradientEngine) -> dict[str, torch.Tensor]:
     if engine.zero_stage != 3:
         return {engine.names[p]: p.detach().clone() for p in engine.parameters}
     return _assemble(engine, engine.param_pieces, False)
+
+
+def master_pieces(engine: GradientEngine, master: torch.Tensor, p) -> list[tuple[int, torch.Tensor]]:
+    """(index into p.view(-1), view of `master`) for each piece of p this rank's optimizer
+    steps: `master` is a ZeroOptimizer's flat fp32 copy of engine.owned_params(), end to end."""
+    owned = engine.owned_params()
+    spans = list(zip(owned, master.split([t.numel() for t in owned])))
+    if hasattr(engine, "param_pieces"):          # ZeRO-3: the pieces of p in this rank's shards
+        views = engine.param_pieces(p)
+    else:                                        # the flat buffer's pieces of p this rank owns
+        gb = engine.buffer_of[p]
+        o = gb.layout.offset[p]
+        views = [(i, gb.params_flat[o + i:o + i + ln]) for i, _, ln in gb.layout.pieces(p, gb.owned)]
+    out = []
+    for i, view in views:
+        for t, m in spans:
+            lo = view.storage_offset() - t.storage_offset()
+            if view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and 0 <= lo < t.numel():
+                out.append((i, m[lo:lo + view.numel()]))
+    return out
+
+
+def gathered_masters(engine: GradientEngine, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: whole fp32 master weight} of a 16-bit model (the optimizer's state, the weight
+    its update is made in): each rank's owned pieces, summed over the shard group."""
+    return _assemble(engine, lambda p: master_pieces(engine, master, p), engine.grads_replicated,
+                     torch.float32)
 
 
 @torch.no_grad()

@@ -33,7 +33,8 @@ import torch
 
 from .. import refusals
 from ..context_parallel import shard_sequence
-from ..data_parallel import DEFAULT_BUCKET_NUMEL, gathered_grads, gathered_params, load_grads, wrap
+from ..data_parallel import (DEFAULT_BUCKET_NUMEL, gathered_grads, gathered_masters, gathered_params,
+                             load_grads, wrap)
 from ..data_parallel.optim import FusedAdamW
 from ..data_parallel.precision import LossScaler, optimizer_step
 from ..grid import ParallelConfig, build_grid
@@ -226,6 +227,13 @@ class TrainingRun:
 
     def weights(self) -> dict:
         return self.side.weights() if self.engine is None else gathered_params(self.engine)
+
+    def masters(self) -> dict | None:
+        """{name: fp32 master weight} of a 16-bit run, what its optimizer steps (None when the
+        model is its own master: float32)."""
+        if self.engine is None or self.optimizer.master_is_model:
+            return None
+        return gathered_masters(self.engine, self.optimizer.master)
 
     def load_grads(self, shards: dict) -> None:
         """Replace this rank's gradients by `shards` (its shards of another model's gradients)."""

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ..context_parallel.blocks import Accumulator
+from ..data_parallel.checks import master_pieces
 from ..data_parallel.zero3 import ZeroStage3
 from ..grid import Grid
 from ..pipeline import executor
@@ -29,7 +30,10 @@ PLANTS = {
     "replica-drift": "after finalize_grads, tp rank 1 halves its norm weights' gradients",
     "weight-drift": "after the step, tp rank 1 moves final_norm.weight up by one float spacing",
     "grad": "one gradient 1% off on every rank (default layers.0.mlp.fc1.weight)",
-    "update": "one tensor's update 1% too large on every rank (default layers.0.mlp.fc1.weight)",
+    "update": "one tensor's update 1% too large on every rank (default layers.0.mlp.fc1.weight; "
+              "in 16 bits its fp32 master's: the weight the optimizer steps)",
+    "fp16-unscaled-loss": "float16: the split side's loss is not scaled (scale 1 where the reference "
+                          "scales by 1024), so its small gradients underflow",
     "logit": "the largest logit 1% off (the compared copy)",
     "pp-wrong-stage": "pipeline: a stage passes back the gradient it received (dL/d its output) "
                       "instead of dL/d its input, so the gradient reaches the wrong stage",
@@ -216,15 +220,28 @@ class Plant(StepHooks):
             else:
                 engine.after_step = lambda: None
 
-    def before_step(self, model) -> None:
+    def loss_scale(self, scale: float) -> float:
+        """The split side's fixed float16 loss scale (the reference keeps `scale`)."""
+        return 1.0 if self.kind == "fp16-unscaled-loss" else scale
+
+    def _stepped(self, model, run) -> list[torch.Tensor]:
+        """What the optimizer steps for the target: the weight, or in a 16-bit run the pieces
+        of its fp32 master this rank owns."""
+        p = self._params(model)[0]
+        opt = getattr(run, "optimizer", None) if run is not None and run.engine is not None else None
+        if opt is None or opt.master_is_model:
+            return [p]
+        return [v for _, v in master_pieces(run.engine, opt.master, p)]
+
+    def before_step(self, model, run=None) -> None:
         if self.kind == "update":
-            self._before = self._params(model)[0].detach().clone()
+            self._before = [t.detach().clone() for t in self._stepped(model, run)]
 
     @torch.no_grad()
-    def after_step(self, model, grid: Grid) -> None:
+    def after_step(self, model, grid: Grid, run=None) -> None:
         if self.kind == "update":
-            p = self._params(model)[0]
-            p.copy_(self._before + 1.01 * (p - self._before))
+            for t, before in zip(self._stepped(model, run), self._before):
+                t.copy_(before + 1.01 * (t - before))
         elif self.kind == "weight-drift" and self._on_rank_1(grid):
             for p in self._params(model):
                 p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))

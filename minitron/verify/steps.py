@@ -15,16 +15,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..data_parallel.precision import MasterWeightsAdamW, tolerance16
+from ..data_parallel.precision import MasterWeightsAdamW
 from ..grid import ParallelConfig
 from ..config import ModelConfig
 from ..model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from ..model.reference import GPT
 from ..runtime import comm
-from ..tensor_parallel.fp8 import tolerance_fp8
 from ..train.engine import SIXTEEN_BIT, TrainingRun
-from .checks import Row, float32_tolerance, grad_rows, replica_rows, sum_rows, update_rows
-from . import routing
+from .checks import (Row, float32_tolerance, grad_rows, noise_rows, noise_stats, replica_rows, sum_rows,
+                     update_rows)
+from . import noise, routing
 from .plants import Plant
 
 BUCKET_NUMEL = 4096       # small: even the tiny default model fills several buckets
@@ -123,11 +123,12 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     `reference_routing`: the split model's routers take the reference's choices (routing.py)."""
     seq, planted = seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
-    if fp8 is not None:     # FP8 against float32: weights both sides hold exactly (bf16 values)
-        ref = ref.float()
+    if fp8 is not None:     # the same FP8 GEMMs, at the split's casting points (fused qkv, [gate; up])
+        ref.enable_fp8(fp8)
     run = TrainingRun(mcfg, pcfg, schedule=schedule, zero_stage=zero, dtype=dtype, lr=lr, eps=eps,
                       weight_decay=WEIGHT_DECAY, max_norm=None, bucket_numel=BUCKET_NUMEL,
-                      loss_scale=FP16_LOSS_SCALE, reference=ref, hooks=planted, fp8=fp8)
+                      loss_scale=planted.loss_scale(FP16_LOSS_SCALE), reference=ref, hooks=planted,
+                      fp8=fp8)
     model, grid, placement = run.model, run.grid, run.placement
     lead = grid.rank == 0
     tied_across_stages = model.tied_across_ranks
@@ -135,14 +136,15 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     if run.engine is not None:
         planted.engine(run.engine)
     ref.to(grid.device)   # masks are drawn on the tensors' device: the same stream as the ranks'
-    sixteen = dtype in SIXTEEN_BIT and fp8 is None       # the reference in the same 16 bits
-    ref_opt = (MasterWeightsAdamW(ref, lr=lr, eps=eps) if sixteen
+    # 16 bits and FP8: the reference in the same precision (fp32 master weights), its errors
+    # held against the noise of that precision (checks.noise_rows, verify/noise.py)
+    low = dtype in SIXTEEN_BIT
+    ref_opt = (MasterWeightsAdamW(ref, lr=lr, eps=eps) if low
                else torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps, weight_decay=WEIGHT_DECAY))
-    tol = tolerance16(dtype) if sixteen else float32_tolerance(mcfg, batch, seq)
+    tol = float32_tolerance(mcfg, batch, seq)
     # which choices the routers made, against the reference's: 16-bit experts or imposed choices
-    count_choices = bool(mcfg.n_experts) and (sixteen or reference_routing) and run.schedule is None
-    # FP8: forward rows at E4M3's bar, backward rows at E5M2's (tensor_parallel/fp8.py)
-    tol_fwd, tol_bwd = (tolerance_fp8(forward=True), tolerance_fp8(forward=False)) if fp8 else (tol, tol)
+    count_choices = bool(mcfg.n_experts) and (low or reference_routing) and run.schedule is None
+    ref_scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
     rows: list[Row] = []
     for step in range(steps):
         tokens, targets = (t.to(grid.device) for t in make_batch(step, seed, batch, seq, mcfg.vocab_size))
@@ -150,10 +152,11 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         scale = run.loss_scale if run.scaler is None else run.scaler.scale   # this step's
         per_microbatch = run.schedule is not None and mcfg.n_experts   # the routers' losses
 
-        def reference():
-            return reference_step(ref, tokens, targets, step_seed, loss_scale=scale,
+        def reference(model=ref):
+            return reference_step(model, tokens, targets, step_seed, loss_scale=ref_scale,
                                   microbatches=run.schedule.microbatches if per_microbatch else 1,
                                   replicas=grid.ep_dp.size)
+        twins = [noise.twin(ref) for _ in noise.SPLITS] if lead and low else []   # before it steps
         ref_out = None
         if reference_routing:     # the reference first: its routers' choices go to the split side
             ref_out = reference() if lead else None
@@ -175,30 +178,70 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         if lead:
             ref_x, ref_logits, ref_loss = ref_out or reference()
             rows += routing.routing_rows(step, used, own, ref, tokens.shape) if count_choices else []
-            rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (out.loss, ref_loss)},
-                             tol_fwd)
-            rows += sum_rows(step, {"dL/dX": (out.dx, ref_x.grad)}, tol_bwd)
-            rows += drop_rows(step, kept, ref, tokens.shape)
-            rows += grad_rows(step, grads, grads_state_dict(ref), tol_bwd) + grad_replicas
-            if fp8 is not None:   # the split side holds bf16 gradients: both step on those
-                for p in ref.parameters():
-                    p.grad = p.grad.to(dtype).float()
+            if low:
+                outs = []
+                for frac, twin in zip(noise.SPLITS, twins):
+                    with noise.another_order(frac):
+                        outs.append((*reference(twin), twin))
+                rows += low_precision_rows(step, out, full_logits, grads, scale,
+                                           (ref_x, ref_logits, ref_loss, ref), ref_scale, outs)
+            else:
+                rows += sum_rows(step, {"logits": (full_logits, ref_logits), "loss": (out.loss, ref_loss),
+                                        "dL/dX": (out.dx, ref_x.grad)}, tol)
+                rows += grad_rows(step, grads, grads_state_dict(ref), tol)
+            rows += drop_rows(step, kept, ref, tokens.shape) + grad_replicas
         # Both optimizers step on the reference's gradients: the step is checked on its own.
         ref_grads = _from_rank0({n: p.grad if lead else torch.empty_like(p)
                                  for n, p in ref.named_parameters()}, grid)
+        if scale != ref_scale:     # the split side's loss scale is its own (a plant)
+            ref_grads = {n: (g.float() * (scale / ref_scale)).to(g.dtype) for n, g in ref_grads.items()}
         run.load_grads(shard_state_dict(ref_grads, mcfg, grid, placement))
         old = gather_state_dict(run.weights(), mcfg, grid, placement)
-        planted.before_step(model)
+        old_masters = run.masters() if low else None
+        planted.before_step(model, run)
         run.optimizer_step()
-        planted.after_step(model, grid)
+        planted.after_step(model, grid, run)
         local_weights = run.weights()
         weight_replicas = replica_rows(step, "weights", local_weights, mcfg, grid, tied_across_stages,
                                        over_dp=not run.sharded_weights)
         new = gather_state_dict(local_weights, mcfg, grid, placement)
+        new_masters = run.masters() if low else None
+        if low:   # the fp32 masters, where the update is made, in the reference's names
+            old_masters, new_masters = (gather_state_dict(m, mcfg, grid, placement)
+                                        for m in (old_masters, new_masters))
         if lead:
             ref_old = {n: p.detach().clone() for n, p in ref.named_parameters()}
-            ref_opt.step(**({"grad_scale": scale} if sixteen else {}))
+            ref_old_masters = dict(zip(ref_old, (m.detach().clone() for m in ref_opt.masters))) if low else None
+            ref_opt.step(**({"grad_scale": ref_scale} if low else {}))
             ref.zero_grad(set_to_none=True)
             ref_new = {n: p.detach() for n, p in ref.named_parameters()}
             rows += update_rows(step, new, old, ref_new, ref_old) + weight_replicas
+            if low:
+                ref_new_masters = dict(zip(ref_new, (m.detach() for m in ref_opt.masters)))
+                rows += update_rows(step, new_masters, old_masters, ref_new_masters, ref_old_masters,
+                                    kind="master")
     return rows if lead else None
+
+
+def low_precision_rows(step: int, out, logits, grads: dict, scale: float, ref, ref_scale: float,
+                       twins: list) -> list[Row]:
+    """Logits, loss, dL/dX and every gradient against the reference in the same precision,
+    each held to the noise of the twins (the reference run in other orders: noise.py), each
+    twin (dL/dX, logits, loss, model) like `ref`. Each side's gradients are divided by its
+    own loss scale first."""
+    ref_x, ref_logits, ref_loss, ref_model = ref
+    tw_x = [t[0].grad.double() / ref_scale for t in twins]
+    tw_logits, tw_loss = [t[1] for t in twins], [t[2] for t in twins]
+    logits_floor = noise_stats(logits, ref_logits, tw_logits).floor
+    rows = noise_rows(step, "", {"logits": (logits, ref_logits, tw_logits)})
+    # a scalar's twins may land on the reference by chance: the loss's floor is at least the logits'
+    rows += noise_rows(step, "", {"loss": (out.loss, ref_loss, tw_loss)}, floor_min=logits_floor,
+                       along=False)
+    rows += noise_rows(step, "", {"dL/dX": (out.dx.double() / scale, ref_x.grad.double() / ref_scale,
+                                            tw_x)})
+    ref_grads = grads_state_dict(ref_model)
+    tw_grads = [grads_state_dict(t[3]) for t in twins]
+    rows += noise_rows(step, "grad", {n: (grads[n].double() / scale, g.double() / ref_scale,
+                                          [t[n].double() / ref_scale for t in tw_grads])
+                                      for n, g in ref_grads.items()})
+    return rows

@@ -1,0 +1,146 @@
+"""The noise floor of a low-precision verdict: the one-device run repeated in another order.
+
+In 16 bits or FP8 two correct programs do not agree to the last bit: a split sums a GEMM's
+partial products on different ranks, rounds each partial to 16 bits and adds the partials
+in 16 bits, where one device rounds once. How far apart correct runs land depends on the
+dtype, the model, the tensor: so it is measured, step by step, on the reference itself. The
+twin is a copy of the reference (same weights, dropout masks, FP8 scales and histories)
+whose every reduction is cut in two halves, each rounded to the dtype, then added:
+
+    mm, addmm, bmm      the contraction dimension (a row-parallel GEMM's K, a weight
+                        gradient's sum over tokens, attention's sums over keys and head_dim)
+    sum over dims       the first reduced dimension (bias and norm-weight gradients: a data-
+                        or sequence-parallel rank's partial sum over its tokens)
+    layer norm's dW     its rows in two halves
+    embedding's dW      its tokens in two halves
+    FP8 GEMMs           K in two halves, each rounded to the activations' dtype (the emulated
+                        GEMM accumulates in float32, as a rank's partial of a row-parallel one
+                        does before it is rounded and all-reduced in 16 bits)
+
+That is the noise of a 2-way split at every reduction at once, at the same casting points as
+the reference: what checks.noise_rows holds the split side's errors against.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+LOW = (torch.bfloat16, torch.float16)
+
+
+SPLITS = (0.5, 0.3, 0.7, 0.4, 0.6, 0.2)   # where each twin cuts every reduction: six orders
+
+
+class SplitReductions(TorchDispatchMode):
+    """Inside it, the reductions of the module docstring run as two rounded parts, the first
+    `frac` of the terms and the rest."""
+
+    def __init__(self, frac: float = 0.5):
+        super().__init__()
+        self.frac = frac
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        halves = functools.partial(_parts, frac=self.frac)
+        kwargs = kwargs or {}
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or first.dtype not in LOW:
+            return func(*args, **kwargs)
+        if func is aten.mm.default and args[0].shape[1] >= 2:
+            a, b = args
+            lo, hi = halves(a.shape[1])
+            return torch.mm(a[:, lo], b[lo]) + torch.mm(a[:, hi], b[hi])
+        if func is aten.addmm.default and args[1].shape[1] >= 2:
+            bias, a, b = args
+            lo, hi = halves(a.shape[1])
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            out = torch.mm(a[:, lo], b[lo]) + torch.mm(a[:, hi], b[hi])
+            return beta * bias + alpha * out if (beta, alpha) != (1, 1) else bias + out
+        if func is aten.bmm.default and args[0].shape[2] >= 2:
+            a, b = args
+            lo, hi = halves(a.shape[2])
+            return torch.bmm(a[:, :, lo], b[:, lo]) + torch.bmm(a[:, :, hi], b[:, hi])
+        if func is aten.sum.dim_IntList and args[1] and not kwargs.get("dtype"):
+            x, dims = args[0], [d % args[0].dim() for d in args[1]]
+            keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+            d = dims[0]
+            if x.shape[d] >= 2:
+                lo, hi = halves(x.shape[d])
+                idx = [slice(None)] * x.dim()
+                parts = []
+                for half in (lo, hi):
+                    idx[d] = half
+                    parts.append(torch.sum(x[tuple(idx)], dims, keepdim=keep))
+                return parts[0] + parts[1]
+        if func is aten.native_layer_norm_backward.default:
+            if args[0].reshape(-1, args[1].shape[-1]).shape[0] < 2:
+                return func(*args, **kwargs)
+            return _layer_norm_backward(func, halves, *args)
+        if func is aten.embedding_dense_backward.default:
+            grad, indices, rows, pad, sparse = args
+            g, i = grad.reshape(-1, grad.shape[-1]), indices.reshape(-1)
+            if i.numel() >= 2:
+                lo, hi = halves(i.numel())
+                return func(g[lo], i[lo], rows, pad, sparse) + func(g[hi], i[hi], rows, pad, sparse)
+        return func(*args, **kwargs)
+
+
+def _parts(n: int, frac: float) -> tuple[slice, slice]:
+    k = min(max(1, round(n * frac)), n - 1)
+    return slice(0, k), slice(k, n)
+
+
+
+def _layer_norm_backward(func, halves, grad, x, shape, mean, rstd, weight, bias, mask):
+    """dX whole; dW and db over the rows in two halves, each rounded, then added."""
+    dx = func(grad, x, shape, mean, rstd, weight, bias, [mask[0], False, False])[0]
+    h = x.shape[-1]
+    g2, x2 = grad.reshape(-1, h), x.reshape(-1, h)
+    m2, r2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+    if g2.shape[0] < 2 or not (mask[1] or mask[2]):
+        return (dx, *func(grad, x, shape, mean, rstd, weight, bias, [False, mask[1], mask[2]])[1:])
+    lo, hi = halves(g2.shape[0])
+    a = func(g2[lo], x2[lo], shape, m2[lo], r2[lo], weight, bias, [False, mask[1], mask[2]])
+    b = func(g2[hi], x2[hi], shape, m2[hi], r2[hi], weight, bias, [False, mask[1], mask[2]])
+    dw = a[1] + b[1] if mask[1] else None
+    db = a[2] + b[2] if mask[2] else None
+    return dx, dw, db
+
+
+def _split_scaled_matmul(real, frac: float):
+    """fp8_linear.scaled_matmul with K in two halves, each rounded to out_dtype, then added."""
+    def split(a, a_scale, b, b_scale, out_dtype):
+        if a.shape[1] < 2 or out_dtype not in LOW:
+            return real(a, a_scale, b, b_scale, out_dtype)
+        lo, hi = _parts(a.shape[1], frac)
+        return real(a[:, lo], a_scale, b[lo], b_scale, out_dtype) + \
+            real(a[:, hi], a_scale, b[hi], b_scale, out_dtype)
+    return split
+
+
+@contextlib.contextmanager
+def another_order(frac: float = 0.5):
+    """Inside the block every reduction of the module docstring is cut in two parts."""
+    from ..tensor_parallel import fp8_linear
+    real = fp8_linear.scaled_matmul
+    fp8_linear.scaled_matmul = _split_scaled_matmul(real, frac)
+    try:
+        with SplitReductions(frac):
+            yield
+    finally:
+        fp8_linear.scaled_matmul = real
+
+
+def twin(ref: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the reference as it is now (weights, FP8 histories); no gradients."""
+    out = copy.deepcopy(ref)
+    for p in out.parameters():
+        p.grad = None
+    return out
+
+
+__all__ = ["SPLITS", "SplitReductions", "another_order", "twin"]

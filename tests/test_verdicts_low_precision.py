@@ -1,0 +1,73 @@
+"""The low-precision verdict (minitron/verify/checks.py noise_rows, verify/noise.py): correct
+16-bit splits pass with a margin, and each planted error fails, in bfloat16 and float16.
+
+Small shapes and two steps keep it fast; `python -m minitron.verify ... --plant KIND` runs the
+same at the default shape (the numbers are in the verifier's docstring)."""
+import pytest
+import torch
+
+from minitron.grid import ParallelConfig
+from minitron.model import ModelConfig
+from minitron.verify import Report, run_rank
+from minitron.verify.checks import C_ALONG, C_NORM, noise_stats
+
+SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
+TP2_SP = ParallelConfig(tp=2, sequence_parallel=True)
+
+
+def _report(run_ranks, dtype, plant=None, pcfg=TP2_SP, steps=2, zero=None, batch=4):
+    rows = run_ranks(run_rank, pcfg, ModelConfig(**SMALL), steps, dtype, 0, 1e-4, 1e-6, batch, None,
+                     plant, None, zero, world_size=pcfg.world_size)[0]
+    return Report(rows)
+
+
+def _margin(report) -> float:
+    """The smallest tol/err over the rows with a tolerance (PASS: > 1)."""
+    return min(r.tol / r.err for r in report.rows if r.tol and r.err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_correct_16_bit_split_passes_with_a_margin(run_ranks, dtype):
+    report = _report(run_ranks, dtype)
+    assert report.passed, report.table()
+    assert _margin(report) >= 2, report.table()
+    assert any(r.quantity.endswith(" along") for r in report.rows)
+    assert any(r.quantity.startswith("master ") for r in report.rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_gradient_1_percent_off_fails_along_the_reference(run_ranks, dtype):
+    report = _report(run_ranks, dtype, plant="grad")
+    assert not report.passed
+    bad = {r.quantity for r in report.failures}
+    assert "grad layers.*.mlp.fc1.weight along" in bad, report.table()
+    assert all(q.startswith("grad layers.*.mlp.fc1.weight") for q in bad), bad   # fp16: norm-wise too
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_update_1_percent_off_fails_at_the_master_weights(run_ranks, dtype):
+    report = _report(run_ranks, dtype, plant="update")
+    bad = {r.quantity for r in report.failures}
+    assert "master layers.*.mlp.fc1.weight" in bad, report.table()
+    # the next step's 16-bit copy is rounded from the planted master: it differs too
+    assert bad <= {"master layers.*.mlp.fc1.weight", "weight layers.*.mlp.fc1.weight"}, bad
+    assert min(r.err / r.tol for r in report.failures) > 1000
+
+
+def test_float16_without_loss_scaling_fails(run_ranks):
+    report = _report(run_ranks, torch.float16, plant="fp16-unscaled-loss")
+    assert not report.passed
+    assert any(r.quantity.startswith("master ") for r in report.failures), report.table()
+
+
+def test_the_statistics_separate_a_scale_error_from_noise():
+    """along sees a 1% scale error that the norm-wise error hides in noise of the same size."""
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randn(4096, generator=gen)
+    twins = [r + 0.01 * torch.randn(4096, generator=gen) for _ in range(6)]
+    noisy = r + 0.01 * torch.randn(4096, generator=gen)
+    s = noise_stats(noisy, r, twins)
+    assert s.norm < C_NORM * s.floor and abs(s.along) < C_ALONG * s.along_noise
+    s = noise_stats(1.01 * r, r, twins)
+    assert s.norm < C_NORM * s.floor                 # the norm-wise error alone passes it
+    assert abs(s.along - 0.01) < 1e-6 and s.along > C_ALONG * s.along_noise   # float32 r
