@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..moe.reference import MoE
+from ..tensor_parallel.fp8_linear import FP8State
 from ..tensor_parallel.random import DropoutRNG
 from ..config import ModelConfig
 
@@ -64,18 +65,35 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.bias)
         self.v = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.bias)
         self.out = nn.Linear(cfg.n_heads * hd, cfg.hidden, bias=cfg.bias)
+        self.fp8 = None     # {"qkv": FP8State, "out": FP8State} once GPT.enable_fp8 runs
 
     def forward(self, x: torch.Tensor, rng: DropoutRNG) -> torch.Tensor:
         b, s, _ = x.shape
         hd = self.cfg.head_dim
-        q = self.q(x).view(b, s, -1, hd).transpose(1, 2)   # [b, heads, s, hd]
-        k = self.k(x).view(b, s, -1, hd).transpose(1, 2)
-        v = self.v(x).view(b, s, -1, hd).transpose(1, 2)
+        if self.fp8:      # one FP8 GEMM for q, k and v, as the split's fused qkv casts them
+            q, k, v = one_gemm(x, (self.q, self.k, self.v), self.fp8["qkv"]).split(
+                [m.out_features for m in (self.q, self.k, self.v)], dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = q.view(b, s, -1, hd).transpose(1, 2)   # [b, heads, s, hd]
+        k = k.view(b, s, -1, hd).transpose(1, 2)
+        v = v.view(b, s, -1, hd).transpose(1, 2)
         if self.cfg.position == "rope":
             pos = torch.arange(s, device=x.device)
             q, k = rotary(q, pos, self.cfg.rope_base), rotary(k, pos, self.cfg.rope_base)
         y = attention_core(q, k, v, self.cfg, rng, self.training)
-        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+        return one_gemm(y.transpose(1, 2).reshape(b, s, -1), (self.out,), self.fp8 and self.fp8["out"])
+
+
+def one_gemm(x: torch.Tensor, linears, state) -> torch.Tensor:
+    """x through `linears` side by side (their outputs concatenated), as one GEMM: in FP8 when a
+    state is given (one scale for the fused weight: the split's casting point), else each alone."""
+    if state is None:
+        return torch.cat([m(x) for m in linears], dim=-1) if len(linears) > 1 else linears[0](x)
+    weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+    bias = None if linears[0].bias is None else \
+        (torch.cat([m.bias for m in linears]) if len(linears) > 1 else linears[0].bias)
+    return state.linear(x, weight, bias)
 
 
 class MLP(nn.Module):
@@ -86,11 +104,15 @@ class MLP(nn.Module):
             self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
         self.fc1 = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)   # the "up" projection
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
+        self.fp8 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.activation == "swiglu":
-            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
-        return self.fc2(F.gelu(self.fc1(x)))
+        state = self.fp8 or {}
+        if self.cfg.activation == "swiglu":    # [gate; up] in one GEMM under FP8, as the split's fc1
+            gate, up = one_gemm(x, (self.gate, self.fc1), state.get("fc1")).chunk(2, dim=-1) \
+                if state else (self.gate(x), self.fc1(x))
+            return one_gemm(F.silu(gate) * up, (self.fc2,), state.get("fc2"))
+        return one_gemm(F.gelu(one_gemm(x, (self.fc1,), state.get("fc1"))), (self.fc2,), state.get("fc2"))
 
 
 class Block(nn.Module):
@@ -153,6 +175,16 @@ class GPT(nn.Module):
 
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.cfg.tie_embeddings else self.lm_head.weight
+
+    def enable_fp8(self, recipe) -> None:
+        """Every GEMM of the blocks in FP8 (tensor_parallel/fp8_linear.py), at ParallelGPT's
+        casting points: q, k and v as one fused GEMM, [gate; up] as one, then attention.out and
+        fc2; one FP8State each, one scale per fused weight. The LM head stays 16-bit."""
+        if any(self.cfg.is_moe_layer(i) for i in range(self.cfg.n_layers)):
+            raise ValueError("the reference has no FP8 experts")
+        for layer in self.layers:
+            layer.attention.fp8 = {"qkv": FP8State(recipe), "out": FP8State(recipe)}
+            layer.mlp.fp8 = {"fc1": FP8State(recipe), "fc2": FP8State(recipe)}
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

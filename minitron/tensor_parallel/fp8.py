@@ -27,10 +27,26 @@ Two recipes choose s:
             window's largest amax (and margin); what it costs: after one spike the scale stays
             small for history_len uses, and the small entries lose digits (or flush to zero).
 
+Amax reduction. Each rank holds a piece of a logical tensor: a column shard of a weight, its
+slice of a row-parallel layer's input features, its rows of the batch (dp), its chunks of the
+sequence (cp). Scaled by its own amax, each piece would be cast on its own grid, and no two
+ranks (nor one device) would cast the same tensor alike. So, as Megatron-Core configures
+Transformer Engine, every amax is all-reduced (max) over the amax group, tp x cp x dp (the
+dense replicas, grid.GROUP_DIMS["amax"]), before a scale is taken from it: every rank casts one
+logical tensor with one scale, the scale one device would take (FP8Recipe(reduce_amax=False)
+keeps the per-rank amaxes; --no-fp8-amax-reduce). A dp or cp rank's gradients are those of its
+own mean loss, dp (or cp) times the whole batch's: a power of 2 on the usual sizes, so the
+casts are the same numbers. Here each amax is reduced as it is taken (one small all-reduce per
+cast); Transformer Engine reduces all of a step's at once, off the critical path.
+
 When a history is empty (the first use), delayed scaling takes this use's own amax, as
 current scaling would. (Transformer Engine starts every scale at 1.0 instead; then the first
 step's gradients, ~1e-5, underflow E5M2 and that step is lost.) An amax of 0 or not finite keeps
-the previous scale (Transformer Engine's rule).
+the previous scale (Transformer Engine's rule), and a scale is at most float32's largest: an amax
+of 1e-38 (448 / 1e-38 overflows float32) gives a finite scale, and finite casts.
+
+A scaler's state (its amax history, scale and count of uses) is what a checkpoint keeps
+(state_dict / load_state_dict), so a resumed FP8 run casts as the uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -38,7 +54,10 @@ import dataclasses
 
 import torch
 
+from ..runtime import comm
+
 E4M3 = torch.float8_e4m3fn     # "fn": finite, no inf; its largest value is 448, not 240
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 E5M2 = torch.float8_e5m2
 RECIPES = ("delayed", "current")
 
@@ -55,6 +74,7 @@ class FP8Recipe:
     scaling: str = "delayed"
     history_len: int = 16
     margin: int = 0
+    reduce_amax: bool = True      # all-reduce every amax over tp x cp x dp (module docstring)
 
     def __post_init__(self):
         if self.scaling not in RECIPES:
@@ -84,7 +104,7 @@ def scale_from_amax(a: torch.Tensor, fmt: torch.dtype, margin: int = 0,
                     previous: torch.Tensor | None = None) -> torch.Tensor:
     """(max / amax) / 2^margin; the previous scale (or 1.0) where amax is 0 or not finite."""
     keep = torch.ones_like(a) if previous is None else previous
-    s = fp8_max(fmt) / a / 2.0 ** margin
+    s = (fp8_max(fmt) / a / 2.0 ** margin).clamp(max=FLOAT32_MAX)   # finite for any amax > 0
     return torch.where((a > 0) & torch.isfinite(a), s, keep)
 
 
@@ -98,16 +118,31 @@ class TensorScaler:
     """The scale of one tensor of one layer (its input, weight or output gradient), over uses.
 
     scale_for(x) returns the scale to cast x with now; under delayed scaling it also records
-    x's amax in the history (a ring of the last history_len uses) and computes the next scale."""
+    x's amax in the history (a ring of the last history_len uses) and computes the next scale.
+    `group` (a comm.Group, the amax group): where x's amax is all-reduced (max) first.
+    `last` is the scale of the latest cast (the verifier compares it with one device's)."""
 
-    def __init__(self, fmt: torch.dtype, recipe: FP8Recipe):
+    def __init__(self, fmt: torch.dtype, recipe: FP8Recipe, group=None):
         self.fmt, self.recipe = fmt, recipe
+        self.group = group if recipe.reduce_amax else None
         self.history: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
         self.uses = 0
 
+    def amax_of(self, x: torch.Tensor) -> torch.Tensor:
+        """x's amax, the logical tensor's: all-reduced (max) over the amax group."""
+        a = amax(x).reshape(1)
+        if self.group is not None and self.group.size > 1:
+            comm.all_reduce(a, self.group, op="max")
+        return a[0]
+
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
-        a, margin = amax(x), self.recipe.margin
+        self.last = self._scale_for(x)
+        return self.last
+
+    def _scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        a, margin = self.amax_of(x), self.recipe.margin
         if self.recipe.scaling == "current":
             return scale_from_amax(a, self.fmt, margin)
         if self.history is None:           # first use: no history yet (module docstring)
@@ -118,6 +153,14 @@ class TensorScaler:
         self.uses += 1
         self.scale = delayed_scale(self.history, self.fmt, margin, previous=now)
         return now
+
+    # ---- checkpoints: what a resumed run needs to cast as this one would ----
+    def state_dict(self) -> dict:
+        return {"history": self.history, "scale": self.scale, "uses": self.uses}
+
+    def load_state_dict(self, state: dict) -> None:
+        clone = lambda t: None if t is None else t.detach().clone()
+        self.history, self.scale, self.uses = clone(state["history"]), clone(state["scale"]), int(state["uses"])
 
 
 # FP8 comparisons (verify --dtype fp8, tests) against the float32 reference. Every FP8 GEMM

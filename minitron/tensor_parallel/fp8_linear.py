@@ -35,20 +35,28 @@ from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 KEEP_BF16 = ("lm_head",)          # module names never cast to FP8 (the docstring says why)
+SCALERS = ("input", "weight", "grad")
 
 
 class FP8State:
     """One layer's three scalers (input, weight, output gradient), and the GEMM that uses them:
     a layer holding a state calls state.linear(x, weight, bias) instead of F.linear."""
 
-    def __init__(self, recipe: FP8Recipe):
+    def __init__(self, recipe: FP8Recipe, group=None):
         self.recipe = recipe
-        self.input = TensorScaler(E4M3, recipe)
-        self.weight = TensorScaler(E4M3, recipe)
-        self.grad = TensorScaler(E5M2, recipe)
+        self.input = TensorScaler(E4M3, recipe, group)
+        self.weight = TensorScaler(E4M3, recipe, group)
+        self.grad = TensorScaler(E5M2, recipe, group)
 
     def scalers(self) -> tuple[TensorScaler, ...]:
         return self.input, self.weight, self.grad
+
+    def state_dict(self) -> dict:
+        return {name: s.state_dict() for name, s in zip(SCALERS, self.scalers())}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, s in zip(SCALERS, self.scalers()):
+            s.load_state_dict(state[name])
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, weight, bias, self)
@@ -98,14 +106,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _FP8Linear.apply(x, weight, bias, state)
 
 
-def enable_fp8(model: nn.Module, recipe: FP8Recipe) -> list[str]:
+def enable_fp8(model: nn.Module, recipe: FP8Recipe, group=None) -> list[str]:
     """Give every tensor-parallel linear layer of the blocks an FP8State (the others, KEEP_BF16,
-    stay as they are); returns the names of the layers now in FP8."""
+    stay as they are), its amaxes reduced over `group` (the grid's amax group, tp x cp x dp,
+    unless recipe.reduce_amax is off); returns the names of the layers now in FP8."""
     names = []
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
                 and name.split(".")[-1] not in KEEP_BF16:
-            module.fp8 = FP8State(recipe)
+            module.fp8 = FP8State(recipe, group)
             names.append(name)
     return names
 
@@ -114,5 +123,32 @@ def fp8_states(model: nn.Module) -> list[FP8State]:
     return [m.fp8 for m in model.modules() if getattr(m, "fp8", None) is not None]
 
 
-__all__ = ["FP8State", "KEEP_BF16", "scaled_matmul", "gpu_has_fp8", "fp8_linear", "enable_fp8",
-           "fp8_states"]
+def named_fp8_states(model: nn.Module) -> dict[str, FP8State]:
+    """{layer name: its FP8State}; ParallelGPT's and the reference's (GPT.enable_fp8) names agree:
+    layers.{i}.attention.qkv / .out, layers.{i}.mlp.fc1 / .fc2."""
+    out = {}
+    for name, m in model.named_modules():
+        state = getattr(m, "fp8", None)
+        if isinstance(state, FP8State):
+            out[name] = state
+        elif isinstance(state, dict):           # the reference: one module, several GEMMs
+            out.update({f"{name}.{k}": v for k, v in state.items()})
+    return out
+
+
+def fp8_state_dict(model: nn.Module) -> dict:
+    """Every FP8 layer's amax histories, scales and uses (a checkpoint's "fp8" entry)."""
+    return {name: s.state_dict() for name, s in named_fp8_states(model).items()}
+
+
+def load_fp8_state_dict(model: nn.Module, state: dict) -> None:
+    states = named_fp8_states(model)
+    if states.keys() != state.keys():
+        raise ValueError(f"the checkpoint's FP8 layers {sorted(state)[:4]}... are not this model's "
+                         f"{sorted(states)[:4]}...: was it saved with the same --dtype fp8 model?")
+    for name, s in states.items():
+        s.load_state_dict(state[name])
+
+
+__all__ = ["FP8State", "KEEP_BF16", "SCALERS", "scaled_matmul", "gpu_has_fp8", "fp8_linear",
+           "enable_fp8", "fp8_states", "named_fp8_states", "fp8_state_dict", "load_fp8_state_dict"]

@@ -142,7 +142,7 @@ class TrainingRun:
         else:
             self.model = PipelineGPT(mcfg, grid, self.placement, seed=seed).to(dtype)
         self.fp8 = fp8
-        self.fp8_layers = enable_fp8(self.model, fp8) if fp8 is not None else []
+        self.fp8_layers = enable_fp8(self.model, fp8, grid.groups["amax"]) if fp8 is not None else []
         self.scaler, self.loss_scale = None, 1.0
         if not uses_engine(pcfg, zero_stage, dtype):
             self.engine, self.side = None, _OwnGrads(self.model, lr, eps, weight_decay)

@@ -46,7 +46,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --cp 4 --cp-variant hierarchical --cp-a2a 2   Ulysses in pairs, ring across
   python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4   ZeRO-3 in stages
   python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
-  python -m minitron.verify --tp 2 --sp --dtype fp8 --fp8-recipe current   FP8 GEMMs vs float32
+  python -m minitron.verify --tp 2 --sp --dtype fp8 --fp8-recipe current   FP8 GEMMs vs one device's
   python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=_positive, default=3)
     r.add_argument("--dtype", choices=PRECISIONS, default="float32",
                    help="16-bit: fp32 master weights; fp8: bf16 training with FP8 GEMMs in the "
-                        "blocks, compared with the float32 reference (see the module docstring)")
+                        "blocks; compared with one device in the same precision, against that "
+                        "precision's measured noise (see the module docstring)")
     r.add_argument("--fp8-recipe", choices=RECIPES, default=None,
                    help="with --dtype fp8: each tensor's scale from an amax history (delayed, the "
                         "default) or from its own amax (current)")
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline += f"\ndata parallel: zero={args.zero or 0} bucket_numel={BUCKET_NUMEL}{scale}"
     if fp8 is not None:
         pipeline += (f"\nfp8: {fp8} in the blocks' GEMMs (E4M3 forward, E5M2 gradients), bf16 "
-                     f"elsewhere; against the float32 reference")
+                     f"elsewhere; against one device's same FP8 GEMMs")
     if os.environ.get("RANK", "0") == "0":       # under torchrun: once, as the report is
         print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "
               f"lr={args.lr} eps={args.eps}\n{kernels}{pipeline}")

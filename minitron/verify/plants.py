@@ -22,7 +22,7 @@ from ..grid import Grid
 from ..pipeline import executor
 from ..runtime.comm_async import Pending
 from ..tensor_parallel import overlap, weight_grad
-from ..tensor_parallel.fp8 import delayed_scale
+from ..tensor_parallel.fp8 import E4M3, delayed_scale, scale_from_amax
 from ..tensor_parallel.fp8_linear import fp8_states
 from ..train.step import StepHooks
 
@@ -62,6 +62,11 @@ PLANTS = {
     "fp8-stale-amax": "FP8, delayed scaling: the amax history holds a stale amax of 1.0 and is never "
                       "updated, so a norm's output (amax 3-4) saturates: clipped to +-1",
     "fp8-double-scale": "FP8: each GEMM's output divides out the weight's scale twice (y / (s_x s_w^2))",
+    "fp8-unscaled": "FP8: scaling switched off, every scale 1 (small weights and gradients underflow)",
+    "fp8-e5m2-forward": "FP8: the forward's inputs and weights in E5M2 instead of E4M3, scaled to "
+                        "E5M2's range (Transformer Engine's Format.E5M2 everywhere): a bit fewer",
+    "fp8-wrong-amax": "FP8: each GEMM casts its input with the scale of its weight's amax (an amax "
+                      "taken from the wrong tensor: the input saturates)",
 }
 
 
@@ -144,6 +149,13 @@ class Plant(StepHooks):
         for state in fp8_states(model):
             if self.kind == "fp8-double-scale":
                 _divide_weight_scale_twice(state)
+            elif self.kind == "fp8-unscaled":
+                for scaler in state.scalers():
+                    scaler._scale_for = lambda x: torch.ones((), device=x.device)
+            elif self.kind == "fp8-e5m2-forward":
+                _cast_forward_to_e5m2(state)
+            elif self.kind == "fp8-wrong-amax":
+                _input_scaled_by_weight(state)
             else:
                 for scaler in state.scalers():
                     _hold_stale_amax(scaler, 1.0)
@@ -285,7 +297,31 @@ def _hold_stale_amax(scaler, stale: float) -> None:
     def scale_for(x: torch.Tensor) -> torch.Tensor:
         scaler.history = torch.full((scaler.recipe.history_len,), stale, device=x.device)
         return delayed_scale(scaler.history, scaler.fmt, scaler.recipe.margin)
-    scaler.scale_for = scale_for
+    scaler._scale_for = scale_for
+
+
+def _cast_forward_to_e5m2(state) -> None:
+    """fp8-e5m2-forward: the input's and weight's scalers take E5M2's range, and while the
+    layer's forward runs its E4M3 casts are E5M2 casts."""
+    from ..tensor_parallel import fp8_linear
+    linear = state.linear
+    state.input.fmt = state.weight.fmt = fp8_linear.E5M2
+
+    def planted(x, weight, bias):
+        with patched(fp8_linear, "E4M3", fp8_linear.E5M2):
+            return linear(x, weight, bias)
+    state.linear = planted
+
+
+def _input_scaled_by_weight(state) -> None:
+    """fp8-wrong-amax: the input's scale comes from the weight's amax (reduced as the weight's)."""
+    linear = state.linear
+
+    def planted(x, weight, bias):
+        state.input._scale_for = lambda _x: scale_from_amax(state.weight.amax_of(weight), E4M3,
+                                                             state.recipe.margin)
+        return linear(x, weight, bias)
+    state.linear = planted
 
 
 class _DividedOnceMore(torch.autograd.Function):
@@ -303,7 +339,7 @@ class _DividedOnceMore(torch.autograd.Function):
 def _divide_weight_scale_twice(state) -> None:
     """fp8-double-scale: the layer's forward GEMM divides out the weight's scale twice,
     y = (q_x q_w^T) / (s_x s_w^2); the backward's GEMMs stay right."""
-    weight_scale_for, linear, used = state.weight.scale_for, state.linear, []
+    weight_scale_for, linear, used = state.weight._scale_for, state.linear, []
 
     def recorded(w: torch.Tensor) -> torch.Tensor:
         used.append(weight_scale_for(w))
@@ -313,7 +349,7 @@ def _divide_weight_scale_twice(state) -> None:
         used.clear()
         y = _DividedOnceMore.apply(linear(x, weight, None), used[-1])
         return y + bias if bias is not None else y
-    state.weight.scale_for, state.linear = recorded, planted
+    state.weight._scale_for, state.linear = recorded, planted
 
 
 @contextlib.contextmanager
