@@ -20,6 +20,8 @@ Which groups exist, and what travels in each:
             every TP rank holds different tokens, so dispatch spans both)
   ep_dp     ranks fed different rows of the batch      (dp x ep; cp ranks share rows and
             split their sequences: the engine gathers a step's outputs over ep_dp)
+  amax      ranks casting pieces or replicas of one    (tp x cp x ep x dp: FP8 amaxes, all-
+            FP8 tensor                                 reduced so all cast it with one scale)
   embedding first and last pipeline stage              (tied embedding gradients)
 
 Where this differs from Megatron-Core (megatron/core/parallel_state.py): minitron builds
@@ -56,10 +58,10 @@ GROUP_DIMS = {
     "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "dp": ("dp",), "pp": ("pp",),
     "dp_cp": ("cp", "dp"), "dense_dp": ("cp", "ep", "dp"), "tp_ep": ("tp", "ep"),
     "ep_dp": ("ep", "dp"),
-    # FP8's amax reduction group (Megatron-Core's): every rank holding a piece or a replica of a
-    # dense layer's tensors, so one logical tensor is cast with one scale (tensor_parallel/fp8.py)
-    "amax": ("tp", "cp", "ep", "dp"),
 }
+# FP8's amax reduction group (Megatron-Core's): every rank holding a piece or a replica of a dense
+# layer's tensors, so one logical tensor is cast with one scale (tensor_parallel/fp8.py)
+AMAX_DIMS = ("tp", "cp", "ep", "dp")
 
 
 def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
@@ -215,6 +217,7 @@ class Grid:
         for name, dims in GROUP_DIMS.items():
             self.groups[name] = _build(name, config.group_ranks(dims), self.rank)
         self.groups["embedding"] = _build("embedding", config.embedding_ranks(), self.rank)
+        self.groups["amax"] = _build("amax", config.group_ranks(AMAX_DIMS), self.rank)
         for name, dims in SUBGROUP_DIMS.items():     # HSDP's and hierarchical cp's (subgroups.py)
             same = same_group(config, name)
             self.groups[name] = self.groups[same] if same else \
@@ -231,6 +234,7 @@ class Grid:
         self.dense_dp = self.groups["dense_dp"]
         self.tp_ep = self.groups["tp_ep"]
         self.ep_dp = self.groups["ep_dp"]
+        self.amax = self.groups["amax"]
         self.embedding = self.groups["embedding"]
         self.dense_dp_shard = self.groups["dense_dp_shard"]
         self.dp_cp_shard = self.groups["dp_cp_shard"]
@@ -302,4 +306,4 @@ def build_grid(config: ParallelConfig) -> Grid:
     return cached[1]
 
 
-__all__ = ["DIMS", "CP_VARIANTS", "GROUP_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size"]
+__all__ = ["DIMS", "CP_VARIANTS", "GROUP_DIMS", "AMAX_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size"]

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid, pad_vocab_size
+from minitron.grid import AMAX_DIMS, GROUP_DIMS, ParallelConfig, build_grid, pad_vocab_size
 from minitron.model.splits import validate_model
 from minitron.subgroups import SUBGROUP_DIMS
 from minitron.config import ModelConfig
@@ -150,6 +150,7 @@ def test_built_grid_matches_pure_functions(run_ranks):
     results = run_ranks(_grid_worker, cfg, world_size=8)
     expected = {name: cfg.group_ranks(dims) for name, dims in {**GROUP_DIMS, **SUBGROUP_DIMS}.items()}
     expected["embedding"] = cfg.embedding_ranks()
+    expected["amax"] = cfg.group_ranks(AMAX_DIMS)
     for rank, res in enumerate(results):
         assert res["rank"] == rank and res["cached"] and res["named"]
         assert res["coords"] == cfg.coords(rank)

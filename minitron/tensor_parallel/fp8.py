@@ -32,7 +32,7 @@ slice of a row-parallel layer's input features, its rows of the batch (dp), its 
 sequence (cp). Scaled by its own amax, each piece would be cast on its own grid, and no two
 ranks (nor one device) would cast the same tensor alike. So, as Megatron-Core configures
 Transformer Engine, every amax is all-reduced (max) over the amax group, tp x cp x dp (the
-dense replicas, grid.GROUP_DIMS["amax"]), before a scale is taken from it: every rank casts one
+dense replicas, grid.AMAX_DIMS), before a scale is taken from it: every rank casts one
 logical tensor with one scale, the scale one device would take (FP8Recipe(reduce_amax=False)
 keeps the per-rank amaxes; --no-fp8-amax-reduce). A dp or cp rank's gradients are those of its
 own mean loss, dp (or cp) times the whole batch's: a power of 2 on the usual sizes, so the
