@@ -135,11 +135,20 @@ def another_order(frac: float = 0.5):
         fp8_linear.scaled_matmul = real
 
 
-def twin(ref: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the reference as it is now (weights, FP8 histories); no gradients."""
-    out = copy.deepcopy(ref)
-    for p in out.parameters():
-        p.grad = None
+def twin(ref) -> torch.nn.Module:
+    """A copy of the reference GPT as it is now: weights, dropout stream, FP8 histories and
+    scales; no gradients (built anew: a module holding the last forward's graph cannot be
+    deep-copied)."""
+    from ..model.reference import GPT
+    from ..tensor_parallel.fp8_linear import fp8_state_dict, load_fp8_state_dict, named_fp8_states
+    p = next(ref.parameters())
+    out = GPT(ref.cfg).to(device=p.device, dtype=p.dtype)
+    out.load_state_dict(ref.state_dict())
+    out.rng = copy.deepcopy(ref.rng)
+    states = named_fp8_states(ref)
+    if states:
+        out.enable_fp8(next(iter(states.values())).recipe)
+        load_fp8_state_dict(out, fp8_state_dict(ref))
     return out
 
 
