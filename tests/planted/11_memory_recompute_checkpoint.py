@@ -1,25 +1,22 @@
-"""Planted wrong answer for exercises/11_memory_recompute_checkpoint.ipynb: under sequence
-parallelism the QKV and fc1 inputs are divided by t as well (Megatron's re-gather accounting,
-not what minitron keeps: it saves the all-gathered inputs whole). Without SP every count is
-right; Check 1 catches it on the layers measured with SP (t=2 and t=4)."""
+"""Planted wrong answer for exercises/11_memory_recompute_checkpoint.ipynb: GQA is assumed to
+shrink the saved keys and values to a_kv heads without recomputation, as it shrinks their
+weights. minitron's attention_core expands K and V to a heads (repeat_interleave) and keeps
+those copies, so every GQA layer measured without recomputation disagrees (Check 1)."""
 
 WRONG = {
-    "e110003": '''def layer_activation_bytes(b, s, h, a, t=1, sp=False, recompute="none"):
-    region = t if sp else 1
+    "e110003": '''def layer_activation_bytes(b, s, h, a, a_kv, f, t=1, sp=False, recompute="none"):
+    bsh = b * s * h
     if recompute == "full":
-        return 4 * b * s * h // region
-    elements = (2 * b * s * h // region
-                + 2 * b * s * h // region        # wrong: minitron keeps the gathered inputs whole
-                + 3 * b * s * h // t
-                + b * s * h // t
-                + 8 * b * s * h // t
-                + 2 * b * s * h // region
-                + 4 * b * s // region)
+        return 4 * bsh // (t if sp else 1)
+    region = (4 * bsh + 4 * b * s) // (t if sp else 1)
+    gathered = 2 * bsh
+    shard = (bsh + 4 * b * s * f) // t
+    qkv = b * s * (a + 2 * a_kv) * (h // a) // t     # wrong without recomputation: K, V are kept expanded
     if recompute == "selective":
-        return 4 * elements
-    scores = 3 * a * s * s * b // t
-    return 4 * (elements + scores) + s * s
+        return 4 * (region + gathered + shard + qkv)
+    return 4 * (region + gathered + shard + qkv + 3 * a * s * s * b // t) + s * s
 ''',
 }
 
+# The grader's summary line must contain "FAIL at " + FAILS_AT.
 FAILS_AT = "Check 1"
