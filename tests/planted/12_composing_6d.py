@@ -1,26 +1,29 @@
-"""Planted wrong answer for exercises/12_composing_6d.ipynb: the ranks laid out tp-cp-dp-ep-pp,
-dp varying faster than ep (Megatron-Core's dense order with ep slotted in after dp), so every
-configuration with both ep > 1 and dp > 1 gets coordinates and groups that minitron.grid does not."""
+"""Planted wrong answer for exercises/12_composing_6d.ipynb: the order argument is ignored and
+the ranks are always laid out in minitron's default tp-cp-ep-dp-pp. Every default-order value is
+right; the first grid under tp-cp-ep-pp-dp already gets other coordinates (Check 1)."""
 
 # answer-cell id -> the learner's WHOLE cell source
 WRONG = {
-    "c12s03": '''ORDER = ("tp", "cp", "dp", "ep", "pp")   # wrong: dp before ep
-
-
-def coords(sizes, rank):
+    "c12s03": '''def coords(sizes, rank, order):
     out = {}
-    for d in ORDER:
+    for d in ("tp", "cp", "ep", "dp", "pp"):     # wrong: the default order, whatever `order` says
         rank, out[d] = divmod(rank, sizes[d])
     return out
 
 
-def group_of(sizes, rank, dims):
-    mine = coords(sizes, rank)
-    world = 1
-    for d in ORDER:
-        world *= sizes[d]
-    return sorted(r for r in range(world)
-                  if all(coords(sizes, r)[d] == mine[d] for d in ORDER if d not in dims))
+def rank_of(sizes, coords, order):
+    rank = 0
+    for d in ("pp", "dp", "ep", "cp", "tp"):
+        rank = rank * sizes[d] + coords[d]
+    return rank
+
+
+def group_of(sizes, rank, dims, order):
+    mine = coords(sizes, rank, order)
+    varying = [{}]
+    for d in dims:
+        varying = [dict(v, **{d: k}) for v in varying for k in range(sizes[d])]
+    return sorted(rank_of(sizes, {**mine, **v}, order) for v in varying)
 ''',
 }
 
