@@ -1,15 +1,14 @@
-"""Planted wrong answer for exercises/13_scaling_and_planning.ipynb: the TP term counts the forward's
-and the backward's all-reduces but forgets the two of the recomputed forward, so every
-configuration with full recomputation gets two thirds of the model's TP time."""
+"""Planted wrong answer for exercises/13_scaling_and_planning.ipynb: the weak-scaling efficiency
+is taken as the time ratio T1/Tn, which is right only when the work per device stays the same.
+Here it falls as n grows (the attention core and the logits grow as h, not h^2), so the
+efficiency is not the time ratio (Check 1)."""
 
-# answer-cell id -> the learner's WHOLE cell source
 WRONG = {
-    "c13s03": '''def tp_comm_seconds(b, s, h, t, recompute, bandwidth, latency):
-    if t == 1:
-        return 0.0
-    all_reduces = 4                     # wrong: full recomputation reruns the forward's two
-    nbytes = 2 * b * s * h
-    return all_reduces * 2 * ((t - 1) / t * nbytes / bandwidth + (t - 1) * latency)
+    "c13s03": '''def scaling_table(ns, model_flops, seconds, peak):
+    per_device = [f / t / n for n, f, t in zip(ns, model_flops, seconds)]
+    ratio = [seconds[0] / t for t in seconds]
+    return {"time ratio": ratio, "efficiency": ratio,         # wrong: the work per device changed
+            "mfu": [x / peak for x in per_device]}
 ''',
 }
 
