@@ -1,15 +1,14 @@
-"""Planted wrong answer for exercises/09_context_parallel.ipynb: the blocks' outputs are added
-as they come, without rescaling each by its share of the softmax mass, exp(lse_block - lse)
-(each block's output is normalised within its own block only). The log-sum-exp is right, so
-nothing crashes; Check 1's by-hand value (54.6212 instead of 34.9265) catches it. (Part 2, the
-ring's blocks, is checked by Check 2: a list that thinks of whole ranks instead of chunks, all
-or nothing by owner as in a contiguous split, prints "the causal triangle once: False".)"""
+"""Planted wrong answer for exercises/09_context_parallel.ipynb: the merge's weights are treated
+as constants in the backward, so dL/dl_r keeps only the w_r dL/dl term and loses
+w_r dL/do . (o_r - o). With dL/dl = 0 it returns zero, where the by-hand blocks get -2.1 and
++2.1 (Check 1)."""
 
 WRONG = {
-    "c26f55af": '''def merge_partials(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a + out_b, lse
+    "c26f55af": '''def merge_backward(out_r, lse_r, out, lse, d_out, d_lse):
+    w = torch.exp(lse_r - lse)[..., None]
+    return w * d_out, w[..., 0] * d_lse          # wrong: o depends on l_r through the weights too
 ''',
 }
 
+# The grader's summary line must contain "FAIL at " + FAILS_AT.
 FAILS_AT = "Check 1"
