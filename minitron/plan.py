@@ -16,14 +16,14 @@ import sys
 
 from .hardware import GIB, GPUS, gpu as named_gpu
 from .estimate.memory import PRESETS, estimate, preset
-from .estimate.plan import RECOMPUTES, best_per_split, evaluate, plan, setup
+from .estimate.plan import RECOMPUTES, best_per_split, evaluate, memory, plan, zero3_units
 from .estimate.shape import Shape, expert_ffn, shared_experts
 from .estimate.time_model import SOFTWARE, Cluster, Parallel
 from .config import ModelConfig
 
 EXPLAIN_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "v": "virtual",
                 "virtual": "virtual", "mb": "micro_batch", "zero": "zero", "recompute": "recompute",
-                "sp": "sp", "schedule": "schedule"}
+                "sp": "sp", "schedule": "schedule", "trim": "trim"}
 GPU_OVERRIDES = {"peak_tflops": ("peak_flops", 1e12), "memory_gib": ("memory_bytes", GIB),
                  "hbm_tbs": ("hbm_bw", 1e12), "nvlink_gbs": ("nvlink_bw", 1e9), "net_gbs": ("net_bw", 1e9)}
 
@@ -151,10 +151,11 @@ def _row(o) -> str:
 
 def explain(cfg, par, cluster, batch, seq, software) -> str:
     option = evaluate(cfg, par, cluster, batch, seq, software)
-    e = estimate(cfg, setup(par, cfg, batch, seq, software))
+    e = memory(cfg, par, batch, seq, software)
+    parts = e.components() | ({"ZeRO-3 gathered units": zero3_units(cfg, par)} if par.zero == 3 else {})
     lines = [f"configuration: {par.label()}",
-             "memory (first pipeline rank): " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in e.components().items())
-             + f"; total {e.total / GIB:.1f} GiB of {cluster.gpu.memory_bytes / GIB:.0f} GiB"]
+             "memory (first pipeline rank): " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in parts.items())
+             + f"; total {sum(parts.values()) / GIB:.1f} GiB of {cluster.gpu.memory_bytes / GIB:.0f} GiB"]
     if option.time is None:
         return "\n".join(lines + [option.reason])
     t = option.time
@@ -175,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             _positive(args, flag, works)
         cfg, cluster = _model(args), _cluster(args)
         batch, seq = args.global_batch or args.gpus, args.seq or cfg.seq_len
-        print(describe(args.model, cfg, seq))
+        given = [f for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "experts", "topk",
+                             "moe_ffn_hidden", "shared_experts", "activation", "norm", "tie") if getattr(args, f) is not None]
+        print(describe(args.model + (" with " + ", ".join(given) + " overridden" if given else ""), cfg, seq))
         print(f"{args.gpus} x {cluster.gpu.name}, {cluster.gpus_per_node} per node; global batch {batch}; "
               f"software {args.software}")
         if args.explain:

@@ -117,15 +117,20 @@ def zero3_units(cfg: ModelConfig, par: Parallel) -> int:
     return round(2 * (2 + 2) * per_layer)
 
 
+def memory(cfg: ModelConfig, par: Parallel, global_batch: int, seq: int, software: str = "megatron-core"):
+    """memory.estimate of the first pipeline rank. Uneven stages: as if every stage held a middle
+    stage's layers (an upper bound on the first, which holds `trim` fewer; about right for the
+    second, which keeps one micro-batch fewer in flight)."""
+    mem_cfg = dataclasses.replace(cfg, n_layers=cfg.n_layers + 2 * par.trim) if par.trim else cfg
+    return estimate(mem_cfg, setup(par, cfg, global_batch, seq, software))
+
+
 def evaluate(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: int, seq: int,
              software: str = "megatron-core") -> Option:
     refused = named_software(software).refusal(par)
     if refused:
         raise ValueError(f"{par.label()}: {refused}; choose another --software or configuration")
-    # uneven stages: memory as if every stage held a middle stage's layers (an upper bound on
-    # the first stage, which holds `trim` fewer, and about right for the second)
-    mem_cfg = dataclasses.replace(cfg, n_layers=cfg.n_layers + 2 * par.trim) if par.trim else cfg
-    mem = estimate(mem_cfg, setup(par, cfg, global_batch, seq, software)).total + zero3_units(cfg, par)
+    mem = memory(cfg, par, global_batch, seq, software).total + zero3_units(cfg, par)
     if mem > MEMORY_MARGIN * cluster.gpu.memory_bytes:
         gib = 2**30
         return Option(par, mem, None, f"does not fit: {mem / gib:.1f} GiB > "
