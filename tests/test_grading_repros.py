@@ -95,6 +95,18 @@ def balanced_chunks(cp, rank):
 '''}, "Check 1"),
 }
 
+PERMUTE = '''def permute(experts, keep):
+    flat = experts.reshape(-1)
+    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
+    return kept[torch.sort(flat[kept], stable=True).indices]
+'''
+SPLIT_SIZES = '''
+
+def split_sizes(pair_experts, n_experts, ep):
+    counts = torch.bincount(pair_experts, minlength=n_experts)
+    return counts, counts.view(ep, -1).sum(1).tolist()
+'''
+
 DIFFERENT = {  # name: (exercise, {answer cell id: source}): right answers the checks must accept
     "06_tuple": ("06_data_parallel_and_zero.ipynb", {"e06c000a": '''def bucket_of(sizes, bucket_numel):
     index, bucket, filled = [0] * len(sizes), 0, 0
@@ -116,6 +128,42 @@ def split_sizes(pair_experts, n_experts, ep):
     return counts, tuple(sum(counts[j * per_rank:(j + 1) * per_rank]) for j in range(ep))
 '''}),
     "11_division": ("11_memory_recompute_checkpoint.ipynb", {"e110003": None}),  # the solution with / for //
+    # issue 31's five correct answers that failed when check cells printed text
+    "08_histc_floats": ("08_expert_parallel.ipynb", {"c23dfea5": PERMUTE + '''
+
+def split_sizes(pair_experts, n_experts, ep):
+    counts = torch.histc(pair_experts.float(), bins=n_experts, min=0, max=n_experts - 1)   # floats
+    return counts, counts.view(ep, -1).sum(1).tolist()
+'''}),
+    "08_user_warning": ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
+    flat = torch.tensor(experts).reshape(-1)        # UserWarning on stderr: copy-constructing a tensor
+    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
+    return kept[torch.sort(flat[kept], stable=True).indices]
+''' + SPLIT_SIZES}),
+    "08_debug_print": ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
+    flat = experts.reshape(-1)
+    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
+    print("debug: kept pairs", kept.tolist())
+    return kept[torch.sort(flat[kept], stable=True).indices]
+''' + SPLIT_SIZES}),
+    "14_return_0": ("14_real_multi_gpu.ipynb", {"c14s07": '''def all_reduce_seconds(nbytes, ranks, link_bytes_per_s, latency_s):
+    if ranks == 1:
+        return 0
+    return 2 * (ranks - 1) / ranks * nbytes / link_bytes_per_s + 2 * (ranks - 1) * latency_s
+'''}),
+    "04_fraction": ("04_pipeline_parallel.ipynb", {"e04c0004": '''from fractions import Fraction
+
+
+def idle_parts(events, pp):
+    t = lambda x: Fraction(x)                      # exact, whether the times are Fractions or floats
+    first, last = min(t(e.start) for e in events), max(t(e.end) for e in events)
+    parts = {}
+    for r in range(pp):
+        mine = [e for e in events if e.rank == r]
+        start, end = min(t(e.start) for e in mine), max(t(e.end) for e in mine)
+        parts[r] = (start - first, (end - start) - sum(t(e.end) - t(e.start) for e in mine), last - end)
+    return parts
+'''}),
 }
 
 SPLITS = ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
@@ -180,5 +228,6 @@ def test_split_sizes_that_disagree_are_said_in_words(graded):
     grades, lines = graded
     g = grades["08_splits"]
     assert "FAIL at Check 2" in g.summary, g.summary
-    assert "outputs right: no: counts and split sizes disagree" in "\n".join(lines), "\n".join(lines)
+    assert "rows per ep rank: yours is 'counts and split sizes disagree with the kept pairs on a rank'" \
+        in g.summary, g.summary
     assert "enforce" not in "\n".join(lines).lower(), "\n".join(lines)

@@ -4,49 +4,45 @@
     python -m minitron.grade exercises/01_tensor_parallel_mlp.ipynb
     python -m minitron.grade --stamp solutions/*.ipynb   # record this torch in the references
 
-What is run is the REFERENCE (solutions/NN_*.ipynb: every check cell and the outputs stored
-with it) with only its answer cells, those holding `# BEGIN SOLUTION`, taken from the learner's
-notebook, matched by cell id. So the learner's stored outputs, edits to check cells and extra
-cells cannot make a wrong answer pass; a notebook with cleared outputs is graded all the same.
-nbval runs the merged copy in a temporary folder (the kernel starts in the learner's folder);
-the learner's file is only read. The last lines say, per notebook, PASS or which check failed
-and why, in words. Exit status 1 if any notebook fails.
+What runs is the REFERENCE (solutions/NN_*.ipynb: its set-up and check cells) with only its
+answer cells, those holding `# BEGIN SOLUTION`, taken from the learner's notebook by cell id:
+the learner's stored outputs, edited check cells and extra cells play no part.
 
-What an answer cell does cannot change the verdict on a right or a wrong answer:
-  * the check cells run in a namespace of their own (minitron/grade/plugin.py, _kernel_guard):
-    the set-up's and checks' own names, and of the learner's only the functions and classes
-    the reference's answer cells define, bound afresh before each check; with the kernel's
-    own builtins, output streams and IPython transformers and hooks put back first. So a
-    helper of the learner's named like one of the check's, a global `print`, a rebound
-    import or an input transformer reach no check;
-  * the verdict is read only from a run of nbval that ended by itself, from a record signed
-    with a key handed to nbval's process on a pipe (nothing in the kernel's environment or
-    on a command line); a run that did not end so is repeated one notebook per run, so that
-    one notebook cannot decide another's verdict;
-  * a kernel that dies (os._exit, a crash) fails at once, naming the cell it died in.
-Not defended: an answer that patches the installed packages (torch, minitron, nbval), or whose
-functions, while a check calls them, patch sys.stdout or go looking for the grader's objects
-inside the kernel; that is deliberate, and visible in the answer itself.
+Where the verdict is made (issue 31). This process is the judge: it never runs learner code.
+It reads the references, the learner's notebooks and the package (course_copy.py) once, at the
+start, and makes itself non-dumpable. Each notebook's cells then run, one request at a time, in
+a kernel of their own (kernel.py) started in a fresh throwaway copy of the package, without
+privileges when the grader is root; nothing the kernel can read names a file of the course
+or holds the reference's outputs (those stay in this process). From the kernel only data comes
+back: each cell's reply status, the exception it reported, and the values its check showed
+(minitron/grade/values.py, as JSON). A check passes when it ended with status "ok" and showed
+the reference's values, label by label, within the reference's tolerance (judge.py); a cell
+that ends any other way (an error, an abort, a dead kernel, a timeout, a value missing) fails,
+named. What a cell prints or warns is never compared. Nothing is run again on account of
+anything a kernel says.
+
+Not defended: an answer that produces the right values by other means than its own code
+(calling minitron's implementation, hard-coding the values an exercise shows); a kernel
+that searches the whole disk for the references or the course, or stops the grading (no
+verdict then for anyone in that run, never a PASS). Grading for credit: run it where the
+kernel can reach neither (`--kernel-user` as root, or a container; README, "Grading").
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
-import hmac
+import ctypes
 import json
-import os
-import secrets
-import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minitron.grade import report
+from minitron.grade.course_copy import Pristine
+from minitron.grade.judge import Shown, compare
+from minitron.grade.kernel import CellRun, Kernel, kernel_user
 from minitron.grade.recorded import stamp, torch_line, torch_version
 from minitron.grade.report import is_answer_cell, source  # noqa: F401  (tests use grade.*)
+from minitron.grade.values import VALUE_MIME
 
 COURSE = Path(__file__).resolve().parents[2]   # the course: minitron/grade/cli.py -> the root
 MISSING_ANSWER = 'raise NotImplementedError("your notebook has no answer cell {id}: nothing to grade")\n'
@@ -117,112 +113,115 @@ def reference_for(learner: Path, solutions: Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
-KERNEL_START_FAILED = "Kernel died before replying to kernel_info"
-PLUGIN = "minitron_grade_plugin"  # minitron/grade/plugin.py, as nbval's process imports it
+@dataclass
+class Job:
+    """One notebook to grade: its cells to run, in order, with what the reference says of each."""
+    merged: dict
+    cells: list["Cell"]
 
 
 @dataclass
-class Job:
-    """One merged notebook to run: where the learner's notebook is, and what it asks for."""
-    merged: dict
-    folder: Path                                           # the learner's notebook's folder
-    name: str                                              # the reference's file name
-    names: list[str]                                       # what its answer cells define
+class Cell:
+    number: int                  # among the notebook's code cells (the count the names use)
+    source: str
+    answer: bool                 # the learner's: only its status counts
+    shown: list[Shown]           # the reference's values (its stored outputs)
+    text: str | None             # a check that shows no value: the reference's printed text
+                                 # (compared as text until the check is converted to show)
+    run: bool = True             # False: skipped (NBVAL_SKIP), as the reference's tests skip it
 
 
-class RunFailed(RuntimeError):
-    """nbval's run ended without a record the grader can trust."""
+def _reference_values(cell: dict) -> list[Shown]:
+    found = []
+    for out in cell.get("outputs") or []:
+        data = out.get("data", {}) if out.get("output_type") in ("display_data", "execute_result") else {}
+        if VALUE_MIME in data:
+            found.append(Shown.from_data(data[VALUE_MIME]))
+    return found
 
 
-def _run_nbval(jobs: list[Job], cell_timeout: int) -> tuple[list[dict], str]:
-    """Run nbval on the merged notebooks; each one's cells' records, in order, and its output.
-
-    Every run gets a fresh folder for the copies and the plugin, and the plugin its settings
-    and a new signing key on a pipe. A record counts only if pytest ended by itself (status 0
-    or 1) and the record carries the key's signature: a kernel can kill pytest, write files
-    and find folders, but it cannot sign.
-    """
-    with tempfile.TemporaryDirectory(prefix="minitron-grade-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="minitron-verdict-") as private:
-        workdir = Path(tmp)
-        (workdir / "pytest.ini").write_text("[pytest]\n")  # no configuration inherited from above
-        # The plugin, copied beside the graded copies (cwd, on the path of `python -m`), is imported
-        # as a module of its own: as minitron.grade.plugin it would import the package, and torch.
-        shutil.copyfile(Path(__file__).with_name("plugin.py"), workdir / f"{PLUGIN}.py")
-        targets = []
-        for k, job in enumerate(jobs):
-            target = workdir / str(k) / job.name
-            target.parent.mkdir()
-            target.write_text(json.dumps(job.merged, indent=1, ensure_ascii=False))
-            targets.append(target.resolve())
-        key, record = secrets.token_bytes(32), Path(private) / f"{secrets.token_hex(8)}.json"
-        config = json.dumps({"record": str(record), "key": key.hex(), "token": secrets.token_hex(16),
-                             "notebooks": {str(t.parent): {"cwd": str(j.folder), "names": j.names}
-                                           for t, j in zip(targets, jobs)}})
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COURSE), env.get("PYTHONPATH")]))
-        read, write = os.pipe()
-        with os.fdopen(write, "w") as pipe:  # far below a pipe's buffer: written before pytest starts
-            pipe.write(config)
-        cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", PLUGIN,
-               f"--minitron-config-fd={read}", "-p", "no:cacheprovider", "-q",
-               f"--nbval-cell-timeout={cell_timeout}", *map(str, targets)]
-        try:
-            done = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, pass_fds=(read,))
-        finally:
-            os.close(read)  # pytest holds the only copy, and reads it before any kernel starts
-        output = done.communicate()[0]
-        if done.returncode in (3, 4, 5):  # pytest's internal error, usage error, nothing collected
-            raise RuntimeError("nbval did not run (is it installed? `make setup` installs it):\n"
-                               + output[-3000:])
-        if done.returncode not in (0, 1):
-            raise RunFailed(f"the run ended with status {done.returncode}", output)
-        if not record.exists():
-            raise RunFailed("it left no record", output)
-        mac, _, body = record.read_text().partition("\n")
-        if not hmac.compare_digest(mac, hmac.new(key, body.encode(), hashlib.sha256).hexdigest()):
-            raise RunFailed("its record is not the one the grader's plugin signed", output)
-    records = json.loads(body)
-    return [records.get(str(t), {}) for t in targets], output
+def job_for(merged: dict) -> Job:
+    """What to run and what to expect, read from the merged notebook (the reference's outputs)."""
+    cells = []
+    for number, cell in enumerate(c for c in merged["cells"] if c["cell_type"] == "code"):
+        text, tags = source(cell), cell.get("metadata", {}).get("tags", [])
+        answer = bool(cell.get("metadata", {}).get("minitron_answer"))
+        ignored = answer or "NBVAL_IGNORE_OUTPUT" in text or "nbval-ignore-output" in tags
+        shown = [] if ignored else _reference_values(cell)
+        legacy = None
+        if not ignored and not shown and cell.get("outputs"):
+            legacy = report.output_text(cell["outputs"])
+        cells.append(Cell(number, text, answer, shown, legacy,
+                          run="NBVAL_SKIP" not in text and "nbval-skip" not in tags))
+    return Job(merged, cells)
 
 
-def _run_each_alone(jobs: list[Job], cell_timeout: int) -> tuple[list[dict | str], str]:
-    """Records as _run_nbval's; when a run of several fails, each notebook runs again alone,
-    so that one notebook's cells cannot decide another's verdict. A notebook whose own run
-    fails gets the reason, a string, in place of its records."""
+def verdict(cell: Cell, run: CellRun, merged: dict, where: str) -> report.Failure | None:
+    """None if this cell's run is the reference's, else why not. Only data is read: the reply's
+    status, the exception the kernel reported, the values its shows published."""
+    n = cell.number
+    if run.status == "died":
+        what = ("it ended the Python process" if cell.answer
+                else "the Python process ended while it ran: something it called ended it")
+        code = f" (exit status {run.exit_code})" if run.exit_code is not None else ""
+        return report.Failure(n, where, "other", message=what + code, died=True)
+    if run.status == "timeout":
+        return report.Failure(n, where, "other", message="it ran out of time (no reply from the kernel)")
+    if run.status == "error":
+        raised = report.root_exception(run.ename, run.evalue, [report.plain(t) for t in run.traceback])
+        yours = report.learner_function(merged, raised.function, raised.line)
+        return report.Failure(n, where, "exception", raised.exception, raised.message,
+                              yours or raised.function, bool(yours))
+    if run.status != "ok":
+        return report.Failure(n, where, "other", message=f"it did not finish (its status: {run.status})")
+    if cell.answer:
+        return None
+    if run.bad_value:
+        return report.Failure(n, where, "value", message=f"it published a value that is not plain data ({run.bad_value})")
+    if cell.text is not None and not cell.shown:   # not yet converted to show: its text
+        line, want, have = report.first_difference(cell.text, run.text)
+        return None if not line else report.Failure(n, where, "output", expected=want, got=have, line=line,
+                                                     message="its output differs from the reference")
+    found = compare(run.shown, cell.shown)
+    return None if found is None else report.Failure(n, where, "value", message=found)
+
+
+def _run_job(job: Job, pristine: Pristine, cell_timeout: int, show, verbose: bool,
+             user: tuple[int, int] | None) -> list[report.Failure]:
+    """Run one notebook in a fresh copy of the course and a kernel of its own; its failures."""
+    copy = pristine.write(user)
+    names = report.cell_names(job.merged)
     try:
-        return _run_nbval(jobs, cell_timeout)
-    except RunFailed as failed:
-        if len(jobs) == 1:
-            return [str(failed.args[0])], failed.args[1]
-    results, outputs = [], []
-    for job in jobs:
-        result, output = _run_each_alone([job], cell_timeout)
-        results += result
-        outputs.append(output)
-    return results, "\n".join(outputs)
-
-
-def _record(todo: list[tuple[Grade, Job]], cell_timeout: int, show, verbose: bool) -> None:
-    """Run these notebooks and set each one's grade from its record."""
-    results, output = _run_each_alone([job for _, job in todo], cell_timeout)
-    if verbose:
-        show(output)
-    for (g, job), cells in zip(todo, results):
-        g.error, g.failures = "", []
-        if isinstance(cells, str):
-            g.error = (f"its grading did not finish ({cells}): a cell of this notebook stopped "
-                       "the grader's own process")
-            continue
-        g.failures = report.failures(job.merged, cells)
-        if not g.failures and len(cells) < report.code_cells(job.merged):
-            g.error = "not every cell ran (nbval's output follows):\n" + output[-2000:]
+        try:
+            kernel = Kernel(copy.course, copy.cwd, copy.home, user)
+        except RuntimeError:  # it died starting (before any learner code): once more
+            kernel = Kernel(copy.course, copy.cwd, copy.home, user)
+        failures = []
+        try:
+            for cell in job.cells:
+                if not cell.run:
+                    continue
+                run = kernel.run(cell.source, cell_timeout)
+                if verbose and run.text:
+                    show(run.text.rstrip("\n"))
+                failure = verdict(cell, run, job.merged, names[cell.number])
+                if failure:
+                    failures.append(failure)
+                    if kernel.dead:
+                        break
+        finally:
+            kernel.stop()
+        return failures
+    finally:
+        copy.remove()
 
 
 def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 600,
-          show=print, verbose: bool = False) -> list[Grade]:
+          show=print, verbose: bool = False, kernel_user_name: str | None = None) -> list[Grade]:
     """Grade each learner notebook; show() gets the notes, details and one summary line each."""
+    user = kernel_user(kernel_user_name)
+    _not_dumpable()
+    pristine = Pristine(COURSE)  # read once, before any learner code runs
     solutions = solutions or COURSE / "solutions"
     grades, jobs, references = [], [], {}
     for path in paths:
@@ -238,21 +237,23 @@ def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 
         except (OSError, ValueError, AttributeError, TypeError) as e:
             g.error = f"could not read it as a notebook ({e})"
             continue
-        g.checked = report.checked_cells(merged)
-        jobs.append((g, Job(merged, path.resolve().parent, ref_path.name, report.learner_names(reference))))
+        try:
+            job = job_for(merged)
+        except ValueError as e:
+            g.error = f"its reference {ref_path} holds a value that is not plain data ({e})"
+            continue
+        g.checked = sum(1 for c in job.cells if c.run and (c.shown or c.text is not None))
+        jobs.append((g, job))
     line = torch_line(references)
     if line:
         show(line)
     if jobs:
         show(f"grading {', '.join(str(g.path) for g, _ in jobs)} (every cell runs: this takes a while)")
-        _record(jobs, cell_timeout, show, verbose)
-        # A kernel that died starting up (two kernels that picked the same free port, say)
-        # says nothing about the answers; nor, beside other notebooks, does one that died later
-        # (another notebook's cell may have killed it): grade those once more, each alone.
         for g, job in jobs:
-            if any(KERNEL_START_FAILED in x.message for x in g.failures) or (
-                    len(jobs) > 1 and g.failures and g.failures[0].died):
-                _record([(g, job)], cell_timeout, show, verbose)
+            try:
+                g.failures = _run_job(job, pristine, cell_timeout, show, verbose, user)
+            except RuntimeError as e:  # the kernel would not start, twice: no verdict on the answers
+                g.error = f"its kernel did not start ({e})"
     for g in grades:
         for line in g.notes + [d for f in g.failures[:1] for d in f.details()]:
             show(f"{g.path}: {line}")
@@ -260,6 +261,15 @@ def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 
     for g in grades:
         show(g.summary)
     return grades
+
+
+def _not_dumpable() -> None:
+    """Keep a kernel of this user's from reading this process's memory, files and folder
+    through /proc (Linux's PR_SET_DUMPABLE; a kernel running as another user cannot anyway)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _notebooks(args: list[str], default: Path) -> list[Path]:
@@ -276,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="notebooks or folders (default: exercises/, with --stamp solutions/)")
     parser.add_argument("--solutions", type=Path, help="folder of reference solutions (default: solutions/)")
     parser.add_argument("--cell-timeout", type=int, default=600, help="seconds per cell (default 600)")
-    parser.add_argument("--verbose", action="store_true", help="also show nbval's own output")
+    parser.add_argument("--verbose", action="store_true", help="also show what the cells printed")
+    parser.add_argument("--kernel-user", help="run the notebooks' kernels as this user (grading for credit, "
+                                              "as root: a user owning nothing of the course)")
     parser.add_argument("--stamp", action="store_true",
                         help="record this torch version in the given reference notebooks, then stop")
     parser.add_argument("--torch", help="with --stamp: the version to record (default: this torch)")
@@ -289,5 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not paths:
         parser.error("no notebooks to grade")
-    grades = grade(paths, args.solutions, args.cell_timeout, verbose=args.verbose)
+    grades = grade(paths, args.solutions, args.cell_timeout, verbose=args.verbose,
+                   kernel_user_name=args.kernel_user)
     return 0 if all(g.passed for g in grades) else 1

@@ -21,6 +21,30 @@ _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): ?(.*)$")
 _WRAPPED = re.compile(r"""^([A-Za-z_]\w*)\((['"])(.*)\2\)$""", re.S)  # e.g. NotImplementedError('...')
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain(text: str) -> str:
+    """A traceback line without its colours."""
+    return _ANSI.sub("", text)
+
+
+def output_text(outputs) -> str:
+    """What a learner reads in a cell's output area: streams and plain-text results."""
+    parts = []
+    for out in outputs or []:
+        kind = out.get("output_type")
+        if kind == "stream":
+            text = out.get("text", "")
+            parts.append("".join(text) if isinstance(text, list) else text)
+        elif kind in ("execute_result", "display_data"):
+            text = out.get("data", {}).get("text/plain", "")
+            parts.append(("".join(text) if isinstance(text, list) else text) + "\n")
+        elif kind == "error":
+            parts.append(f"{out.get('ename')}: {out.get('evalue')}\n")
+    return "".join(parts)
+
+
 ANSWER_MARK = "# BEGIN SOLUTION"   # tools/make_exercises.py cuts the learner's part at it
 
 
@@ -209,7 +233,8 @@ def _short(line: str, width: int = 90) -> str:
 class Failure:
     cell: int            # the code cell's number (nbval's "Cell N")
     where: str           # the cell in words
-    kind: str            # "exception", "output" or "other"
+    kind: str            # "exception", "value" (a shown value differs), "output" (a printed
+                         # text differs: a check not yet converted to show) or "other"
     exception: str = ""  # the root exception's name, e.g. NotImplementedError
     message: str = ""
     raised_in: str = ""  # the function it was raised in
@@ -231,6 +256,8 @@ class Failure:
                 return f"{who} is not written yet (its stub raised NotImplementedError)"
             who = f"your {self.raised_in} raised" if self.yours else "it raised"
             return f"{who} {self.exception}: {_short(self.message, 120)}"
+        if self.kind == "value":
+            return self.message
         if self.kind == "output" and self.line:
             return f"its output differs from the reference at line {self.line}: '{_short(self.got)}'"
         if self.kind == "output":
@@ -245,35 +272,3 @@ class Failure:
             place = f" in {self.raised_in}" if self.raised_in else ""
             return [f"{self.where} raised {self.exception}{place}: {self.message}"]
         return [f"{self.where}: {self.message}"]
-
-
-def failures(merged: dict, records: dict) -> list[Failure]:
-    """The failing cells of a graded notebook, in order, from the plugin's record."""
-    names = cell_names(merged)
-    found = []
-    for number in sorted(records, key=int):
-        r = records[number]
-        if r["outcome"] != "failed":
-            continue
-        where = names[int(number)] if int(number) < len(names) else f"cell {number}"
-        if r.get("died"):
-            what = ("it ended the Python process" if where.startswith("your answer cell")
-                    else "the Python process ended while it ran: something it called ended it")
-            code = re.search(r"\(exit status -?\d+\)", r.get("message", ""))
-            what += f" {code.group(0)}" if code else ""
-            found.append(Failure(int(number), where, "other", message=what, died=True))
-            break  # every later cell fails on the dead kernel: nothing more to say
-        if r.get("message", "").startswith("Timeout"):
-            found.append(Failure(int(number), where, "other", message=f"it ran out of time ({r['message']})"))
-        elif "ename" in r:
-            raised = root_exception(r["ename"], r["evalue"], r.get("traceback", []))
-            yours = learner_function(merged, raised.function, raised.line)
-            found.append(Failure(int(number), where, "exception", raised.exception, raised.message,
-                                 yours or raised.function, bool(yours)))
-        elif r.get("message", "").startswith("Cell outputs differ"):
-            line, want, have = first_difference(r.get("expected", ""), r.get("got", ""))
-            found.append(Failure(int(number), where, "output", expected=want, got=have, line=line,
-                                 message="its output differs from the reference"))
-        else:
-            found.append(Failure(int(number), where, "other", message=r.get("message") or "failed"))
-    return found

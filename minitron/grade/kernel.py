@@ -1,0 +1,197 @@
+"""Run a graded notebook's cells in a kernel of their own, and bring back only data.
+
+The kernel holds the learner's code, so nothing it says is trusted except as data: for each
+cell, the status of its execute_reply ("ok" or not), the exception it reported, its printed
+text (shown to the learner, never compared) and the values its `show` calls published
+(minitron/grade/values.py), parsed as plain JSON by jupyter_client in this process. Only the
+messages answering this cell's request count, and only until the kernel says it is idle.
+
+The kernel runs in a throwaway copy of the course's package (course_copy.py), with its working
+folder there and an environment that names no file of the course. When the grader runs as root
+the kernel runs without any capability (setpriv): it can then neither read this process's
+memory nor its folder or open files through /proc (this process is not dumpable, see cli.py),
+nor read or write files of other users. Given `user`, it runs as that user instead (grading
+for credit: a user that may run this Python and owns nothing of the course).
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty
+
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+
+from minitron.grade.judge import Shown
+from minitron.grade.values import VALUE_MIME
+
+
+
+@dataclass
+class CellRun:
+    """What one cell's run left, as data."""
+    status: str                      # "ok", "error", "aborted", "timeout", "died", "not run"
+    shown: list[Shown] = field(default_factory=list)
+    ename: str = ""
+    evalue: str = ""
+    traceback: list[str] = field(default_factory=list)
+    text: str = ""                   # what it printed: for the learner's eyes only
+    bad_value: str = ""              # a published value that was not plain shown data
+    exit_code: int | None = None     # status "died": the kernel process's exit status
+
+
+class _ThisPython(KernelSpecManager):
+    """The kernel is this Python (the grader's environment), whatever kernels Jupyter knows,
+    started through `prefix` (setpriv, see confinement)."""
+    prefix: list[str] = []
+
+    def get_kernel_spec(self, kernel_name):
+        return KernelSpec(argv=[*self.prefix, sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                          display_name="Python 3", language="python", env={})
+
+
+class _Manager(KernelManager):
+    """A kernel manager whose connection file the kernel's user can read."""
+    owner: tuple[int, int] | None = None
+
+    def write_connection_file(self, **kwargs):
+        super().write_connection_file(**kwargs)
+        if self.owner:
+            os.chown(self.connection_file, *self.owner)
+
+
+def kernel_user(name: str | None) -> tuple[int, int] | None:
+    """(uid, gid) of the user to run kernels as; None: this process's own."""
+    if not name:
+        return None
+    entry = pwd.getpwnam(name)
+    return entry.pw_uid, entry.pw_gid
+
+
+def confinement(user: tuple[int, int] | None) -> list[str]:
+    """The command that starts the kernel without privileges: as root, setpriv dropping every
+    capability (and switching to `user` when given); as anyone else, nothing (a kernel of the
+    same user is kept out of this process by its being non-dumpable)."""
+    if os.geteuid() != 0:
+        if user and user[0] != os.geteuid():
+            raise RuntimeError("only root can run the kernels as another user")
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise RuntimeError("grading as root needs setpriv (util-linux) to start kernels without privileges")
+    who = ["--reuid", str(user[0]), "--regid", str(user[1]), "--clear-groups"] if user else []
+    return [setpriv, *who, "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+def kernel_env(copy: Path, home: Path) -> dict[str, str]:
+    """This process's environment with the course's package replaced by the copy's, and the
+    caches and settings of the tools a check uses kept in the throwaway folder."""
+    course = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "MINITRON_GRADE", "JPY_", "JUPYTER_", "IPYTHONDIR"))}
+    others = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+              if p and os.path.realpath(p) != os.path.realpath(course)]
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *others])
+    env.update(HOME=str(home), IPYTHONDIR=str(home / ".ipython"), MPLCONFIGDIR=str(home / ".matplotlib"),
+               XDG_CACHE_HOME=str(home / ".cache"), TRITON_CACHE_DIR=str(home / ".triton"),
+               TORCHINDUCTOR_CACHE_DIR=str(home / ".inductor"), JUPYTER_RUNTIME_DIR=str(home / ".runtime"),
+               PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+class Kernel:
+    """One kernel for one graded notebook: start it, run cells one at a time, stop it."""
+
+    def __init__(self, copy: Path, cwd: Path, home: Path, user: tuple[int, int] | None,
+                 startup_timeout: float = 120):
+        specs = _ThisPython()
+        specs.prefix = confinement(user)
+        self.km = _Manager(kernel_spec_manager=specs, kernel_name="python3")
+        self.km.owner = user
+        self.km.connection_file = str(home / "kernel.json")
+        self.km.start_kernel(cwd=str(cwd), env=kernel_env(copy, home), stdout=open(os.devnull, "w"),
+                             stderr=open(os.devnull, "w"))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=startup_timeout)
+        self.dead = False
+
+    def _exit_code(self) -> int | None:
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        return getattr(process, "returncode", None)
+
+    def run(self, source: str, timeout: float) -> CellRun:
+        """Run one cell; its status, exception, text and shown values."""
+        if self.dead:
+            return CellRun("not run")
+        msg_id = self.kc.execute(source, store_history=True, allow_stdin=False, stop_on_error=False)
+        run, idle, reply = CellRun("timeout"), False, None
+        deadline = time.monotonic() + timeout
+        while not (idle and reply is not None):
+            left = deadline - time.monotonic()
+            if left <= 0:  # the kernel may still be running it: no later cell runs there
+                self.dead = True
+                return run if reply is None else _with_reply(run, reply)
+            got = False
+            if not idle:
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=min(0.2, left))
+                    got = True
+                    if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                        idle = _take(run, msg) or idle
+                except Empty:
+                    pass
+            if reply is None:
+                try:
+                    msg = self.kc.get_shell_msg(timeout=0 if got else min(0.2, left))
+                    if msg.get("parent_header", {}).get("msg_id") == msg_id and msg["msg_type"] == "execute_reply":
+                        reply = msg
+                except Empty:
+                    pass
+            if not got and not self.km.is_alive():
+                self.dead = True
+                run.status, run.exit_code = "died", self._exit_code()
+                return run
+        return _with_reply(run, reply)
+
+    def stop(self):
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=True)
+
+
+def _take(run: CellRun, msg: dict) -> bool:
+    """Add an iopub message of this cell to its run; True when the kernel says it is idle."""
+    kind, content = msg["msg_type"], msg.get("content", {})
+    if kind == "status":
+        return content.get("execution_state") == "idle"
+    if kind == "stream":
+        run.text += str(content.get("text", ""))
+    elif kind in ("display_data", "execute_result"):
+        data = content.get("data", {})
+        if VALUE_MIME in data:
+            try:
+                run.shown.append(Shown.from_data(data[VALUE_MIME]))
+            except ValueError as e:
+                run.bad_value = run.bad_value or str(e)
+        elif "text/plain" in data:
+            run.text += str(data["text/plain"]) + "\n"
+    elif kind == "error":
+        run.ename, run.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
+        run.traceback = [str(t) for t in content.get("traceback", [])]
+    return False
+
+
+def _with_reply(run: CellRun, reply: dict) -> CellRun:
+    content = reply.get("content", {})
+    run.status = content.get("status") if content.get("status") in ("ok", "error", "aborted") else "unknown"
+    if run.status == "error" and not run.ename:
+        run.ename, run.evalue = str(content.get("ename", "")), str(content.get("evalue", ""))
+        run.traceback = [str(t) for t in content.get("traceback", [])]
+    return run
