@@ -71,3 +71,17 @@ def test_only_plain_data_is_read():
                 {"label": "a", "value": object()}):
         with pytest.raises(ValueError):
             Shown.from_data(bad)
+
+
+def test_a_bound_is_the_references():
+    ref = [Shown("largest", 4000, below=9600)]
+    assert compare([Shown("largest", 9000)], ref) is None
+    assert compare([Shown("largest", 9600)], ref) == "largest: yours is 9600, not below 9600"
+    assert compare([Shown("largest", 1, below=1e9)], [Shown("largest", 4000)]) is not None  # the learner's bound: none
+
+
+def test_projections_move_with_any_element():
+    from minitron.grade.values import projections
+    t = torch.randn(37, 97)
+    p, q = projections(t), projections(t.clone().index_put_((torch.tensor([5]), torch.tensor([3])), torch.tensor(9.0)))
+    assert len(p) == 8 and projections(t) == p and p != q

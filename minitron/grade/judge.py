@@ -19,6 +19,7 @@ class Shown:
     value: object          # plain JSON data
     rtol: float = 1e-5
     atol: float = 1e-8
+    below: float | None = None   # the reference's: a bound, not a value to reproduce
 
     @classmethod
     def from_data(cls, data) -> "Shown":
@@ -28,7 +29,11 @@ class Shown:
         rtol, atol = data.get("rtol", 1e-5), data.get("atol", 1e-8)
         if not all(type(t) in (int, float) and t >= 0 for t in (rtol, atol)):
             raise ValueError("a tolerance is not a number")
-        return cls(data["label"], _plain(data["value"]), float(rtol), float(atol))
+        below = data.get("below")
+        if below is not None and type(below) not in (int, float):
+            raise ValueError("a bound is not a number")
+        return cls(data["label"], _plain(data["value"]), float(rtol), float(atol),
+                   None if below is None else float(below))
 
 
 def _plain(x):
@@ -100,6 +105,10 @@ def compare(mine: list[Shown], reference: list[Shown]) -> str | None:
         got = mine[k]
         if got.label != ref.label:
             return f"its value {k + 1} is labelled {got.label!r}, the reference's {ref.label!r}"
+        if ref.below is not None:
+            if not (_number(got.value) and float(got.value) < ref.below):
+                return f"{ref.label}: yours is {_brief(got.value)}, not below {readable(ref.below)}"
+            continue
         found = difference(got.value, ref.value, ref.rtol, ref.atol)
         if found:
             return f"{ref.label}: {found.replace('the value', 'yours', 1)}"

@@ -35,7 +35,9 @@ What counts as equal (minitron/grade/judge.py):
   * dicts by the same keys, value by value.
 The tolerance is the keyword arguments of the reference's show (default rtol 1e-5,
 atol 1e-8): give exact integers and strings the default, and a float computed in another
-order by a right answer the slack that order needs.
+order by a right answer the slack that order needs. `below=` makes a bound of it instead (any
+number under the reference's bound passes). A large tensor is best shown as `projections(t)`
+with atol = tolerance * its norm.
 
 Values computed in forked ranks (minitron.launch) are shown by the notebook's process, from
 what the ranks returned: a show in a rank only prints.
@@ -101,6 +103,16 @@ def readable(value) -> str:
     return str(value)
 
 
+def projections(t, k: int = 8, seed: int = 0) -> list[float]:
+    """A tensor seen through k fixed random directions (float64 dot products): k numbers that
+    move with any element, to show for a large tensor. A right answer's differ from the
+    reference's by about its error times the tensor's norm: give atol = tolerance * norm."""
+    import torch
+    flat = torch.as_tensor(t).detach().reshape(-1).to("cpu", torch.float64)
+    directions = torch.randn(k, flat.numel(), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (directions @ flat).tolist()
+
+
 def _kernel():
     """The IPython kernel's shell when this runs in the notebook's own process, else None."""
     if os.getpid() != _KERNEL_PID:
@@ -113,8 +125,10 @@ def _kernel():
     return shell if shell is not None and getattr(shell, "kernel", None) is not None else None
 
 
-def show(label: str, value, *, rtol: float = 1e-5, atol: float = 1e-8) -> None:
-    """Print `label: value` and hand the value to the grader (see the module's docstring)."""
+def show(label: str, value, *, rtol: float = 1e-5, atol: float = 1e-8, below: float | None = None) -> None:
+    """Print `label: value` and hand the value to the grader (see the module's docstring).
+    `below`: not a value to reproduce but a bound: any number under the reference's `below`
+    passes (the size of the largest tensor a right answer makes, say)."""
     if not isinstance(label, str) or not label:
         raise TypeError("show: the label must be a non-empty str")
     data = encode(value)
@@ -124,6 +138,8 @@ def show(label: str, value, *, rtol: float = 1e-5, atol: float = 1e-8) -> None:
         print(line)
         return
     payload = {"label": label, "value": data, "rtol": float(rtol), "atol": float(atol)}
+    if below is not None:
+        payload["below"] = float(below)
     json.dumps(payload)  # fails here, in the check, if it is not plain data
     from IPython.display import display
     display({"text/plain": line, VALUE_MIME: payload}, raw=True)
