@@ -35,6 +35,7 @@ from nbclient import NotebookClient
 
 from minitron.grade import cli as grader
 from minitron.grade import recorded
+from minitron.grade.values import VALUE_MIME
 from notebook_files import cleared, save
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -43,6 +44,15 @@ PLANTED = ROOT / "tests" / "planted"
 OTHER_TORCH = "0.0.1"  # no one has it: the grader must say it differs
 EXECUTED = "07_mixed_precision.ipynb"  # the planted notebook run and saved with its own outputs
 KINDS = ("planted", "solved", "unsolved")
+# Exercises whose check cells still print text (compared as text until they show values with
+# minitron.grade.values.show): text a kernel can forge, so an answer cell that replays it passes.
+TEXT_CHECKS = {n for n in NAMES if VALUE_MIME not in (ROOT / "solutions" / n).read_text()}
+
+
+def until_values(names):
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"{n}'s checks print text, which "
+                                                    "an answer cell can replay: convert them to show()"))
+            if n in TEXT_CHECKS else n for n in names]
 
 
 def planted(name: str):
@@ -245,7 +255,7 @@ def test_solution_answers_pass_whatever_the_check_cells_and_outputs(name, graded
     assert len(edited) == 1 and f"id {run['edited']}" in edited[0] and "the reference's is used" in edited[0]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", until_values(NAMES))
 def test_unsolved_exercise_fails_on_its_stub(name, graded):
     # Its first answer cell installed a transformer replacing each later check by a print of the
     # check's stored text: a check that prints its verdict raises on the stub all the same; one

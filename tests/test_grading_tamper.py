@@ -168,13 +168,13 @@ def double(v):
     # 3. the check's own objects reached: from inside the learner's function, the check's frame
     "3_check_frame": WRONG + REPLAY + '''
 import sys
-_wrong = double
+_wrong, _done = double, []
 def double(v):
-    check = sys._getframe(1)                    # the check's frame, its namespace and its stream
-    g = check.f_globals
-    g["show"] = lambda *a, **k: _replay() and g.__setitem__("show", lambda *a, **k: None)
-    _write = type(sys.stdout).write
-    type(sys.stdout).write = lambda self, text: _write(self, text.replace("False", "True"))
+    g = sys._getframe(1).f_globals              # the check's frame leads to its namespace
+    def fake(*a, **k):                          # its print and show, replaced by a replay
+        if not _done:
+            _done.append(_replay())
+    g["show"] = g["print"] = fake
     return _wrong(v)
 ''',
     # 4. values that compare equal to anything

@@ -38,7 +38,7 @@ def _id(p):
     return f"{p.parent.name}/{p.name}"
 
 
-# pytest, but with rfc3987_syntax hidden from jsonschema, as minitron/grade/plugin.py does: at
+# pytest, but with rfc3987_syntax hidden from jsonschema (the grader's nbval plugin did so too): at
 # import it compiles a grammar for a string format no notebook schema uses (5 s of CPU here)
 NBVAL = ("import sys, pytest; sys.modules.setdefault('rfc3987_syntax', None); "
          "sys.exit(pytest.main(sys.argv[1:]))")
