@@ -1,8 +1,9 @@
-"""Grading: a learner's answer cells run inside the reference solution, under nbval.
+"""Grading: a learner's answer cells run inside the reference solution; the verdict is made here.
 
-cli.py merges the notebooks, runs nbval and gives each notebook its verdict (python -m
-minitron.grade); report.py turns nbval's per-cell record into lines a learner can act on;
-recorded.py says which torch a reference's stored outputs were recorded with; plugin.py is the
-pytest plugin nbval's process loads (copied beside the graded notebooks and imported as a
-module of its own, so that process never imports minitron or torch).
+cli.py merges each learner notebook into its reference and judges it (python -m minitron.grade);
+kernel.py runs the merged cells in a kernel of their own and brings back only data (statuses,
+exceptions, shown values); course_copy.py writes the throwaway copy of the package that kernel
+imports; values.py is what check cells call (`show(label, value)`) and judge.py compares what
+they showed with the reference's; report.py names cells and failures in words; recorded.py says
+which torch a reference's stored outputs were recorded with.
 """

@@ -91,11 +91,13 @@ def confinement(user: tuple[int, int] | None) -> list[str]:
 def kernel_env(copy: Path, home: Path) -> dict[str, str]:
     """This process's environment with the course's package replaced by the copy's, and the
     caches and settings of the tools a check uses kept in the throwaway folder."""
-    course = str(Path(__file__).resolve().parents[2])
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "MINITRON_GRADE", "JPY_", "JUPYTER_", "IPYTHONDIR"))}
-    others = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-              if p and os.path.realpath(p) != os.path.realpath(course)]
+    course = os.path.realpath(Path(__file__).resolve().parents[2])
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and os.path.realpath(p) != course]
+    hidden = [course] + ([os.getcwd()] if os.getcwd().count(os.sep) > 1 else [])
+    env = {k: v for k, v in os.environ.items()   # nothing that names the course or this process's folder
+           if not k.startswith(("PYTEST_", "MINITRON_GRADE", "JPY_", "JUPYTER_", "IPYTHONDIR"))
+           and k not in ("PWD", "OLDPWD", "PYTHONPATH") and not any(h in v for h in hidden)}
     env["PYTHONPATH"] = os.pathsep.join([str(copy), *others])
     env.update(HOME=str(home), IPYTHONDIR=str(home / ".ipython"), MPLCONFIGDIR=str(home / ".matplotlib"),
                XDG_CACHE_HOME=str(home / ".cache"), TRITON_CACHE_DIR=str(home / ".triton"),

@@ -1,4 +1,4 @@
-"""Turn nbval's per-cell record into what a learner can act on (used by minitron.grade).
+"""Name a graded notebook's cells and failures in words a learner can act on (minitron.grade).
 
 Each failing code cell gets a name in words (the markdown heading above it, e.g. "Check 2:
 against `FlatLayout` on a GPT and by hand", see cell_names) and a reason: which exception,
