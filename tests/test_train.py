@@ -56,6 +56,8 @@ def test_resume_on_another_grid_drops_the_rows_past_its_checkpoint(run_copy, cap
     assert [r["step"] for r in rows_of(run_copy)] == list(range(1, 9))
     printed = capfd.readouterr()
     assert "sample: The " in printed.out and "tok/s" in printed.err
+    sample = next(line for line in printed.out.splitlines() if line.startswith("sample: "))
+    assert sample.isprintable(), sample   # escaped (tests/test_data.py): no control byte printed
 
 
 def test_a_diverging_run_stops_and_keeps_the_good_run(run_copy, capfd):

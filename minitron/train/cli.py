@@ -120,7 +120,7 @@ def _sample(run: TrainingRun, mcfg: ModelConfig, args) -> str | None:
             logits = gpt(ids[:, -mcfg.seq_len:])[:, -1].float()
             probs = torch.softmax(logits / 0.8, dim=-1)
             ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
-    return data.decode(ids[0].tolist())
+    return data.escaped(ids[0].tolist())   # printed: no raw control byte reaches the terminal
 
 
 def one_line(e: RankError) -> str:

@@ -36,6 +36,28 @@ def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+def escaped(tokens) -> str:
+    """The tokens as one line a terminal shows as it is, whatever bytes a model emits: valid
+    UTF-8 that prints stays (accented letters too); newline, tab and carriage return become
+    "\\n", "\\t", "\\r", the backslash "\\\\", and every other byte of a character that does not
+    print (ESC, U+200B) or of no character (invalid UTF-8) "\\xNN": the bytes can be read back
+    exactly (codecs.escape_decode), and none moves the cursor or becomes a replacement character."""
+    text = bytes(int(t) for t in tokens).decode("utf-8", errors="surrogateescape")
+    return "".join(_escape(c) for c in text)
+
+
+_SHORT = {"\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escape(c: str) -> str:
+    if c in _SHORT:
+        return _SHORT[c]
+    if c.isprintable():                     # a lone surrogate (an undecodable byte) is not
+        return c
+    raw = c.encode("utf-8", errors="surrogateescape")   # back to the byte(s) it came from
+    return "".join(f"\\x{b:02x}" for b in raw)
+
+
 def prepare(text_path: str, token_path: str, seq: int | None = None) -> np.memmap:
     """Write `text_path`'s bytes as a token file (unless it already holds exactly them); map it.
 
