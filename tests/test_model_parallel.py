@@ -5,6 +5,8 @@ gradient and every updated weight after AdamW, compared on rank 0 with the verif
 tolerances), so the tests and `python -m minitron.verify` check the same thing.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -248,7 +250,12 @@ def _errors_worker(tp):
     bad = (ModelConfig(**{**BASE, "n_kv_heads": 2}),
            ModelConfig(**{**BASE, "ffn_hidden": 6, "activation": "swiglu"}),  # 2*6 splits, 6 not
            ModelConfig(**{**BASE, "use_kernels": True}))                      # CPU ranks, no interpreter
-    return _value_errors(lambda cfg=cfg: ParallelGPT(cfg, grid) for cfg in bad)
+    interpret = os.environ.pop("TRITON_INTERPRET", None)   # "no interpreter" under any setting
+    try:
+        return _value_errors(lambda cfg=cfg: ParallelGPT(cfg, grid) for cfg in bad)
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
 
 
 def test_bad_configs_fail_early(run_ranks):
