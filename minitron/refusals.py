@@ -59,6 +59,7 @@ class Options:
     dropout_rng: str = "exact"
     dtype: str = "float32"
     fp8_recipe: str | None = None
+    fp8_amax_unreduced: bool = False      # --no-fp8-amax-reduce (FP8Recipe.reduce_amax off)
     zero: int | None = None
     schedule: str | None = None
     reference_routing: bool = False
@@ -83,7 +84,7 @@ class Options:
         if dtype is not None:
             o["dtype"] = str(dtype).removeprefix("torch.")
         if fp8 is not None:                   # FP8 GEMMs in bfloat16 training: --dtype fp8
-            o.update(fp8_recipe=fp8.scaling,
+            o.update(fp8_recipe=fp8.scaling, fp8_amax_unreduced=not getattr(fp8, "reduce_amax", True),
                      dtype="fp8" if o.get("dtype", "bfloat16") == "bfloat16" else o["dtype"])
         if schedule is not None:
             o["schedule"] = schedule if isinstance(schedule, str) else schedule.name
@@ -111,7 +112,7 @@ class Options:
         """These options changed (a fix); a pipeline's schedule goes with the pipeline."""
         new = dataclasses.replace(self, **changes)
         if new.dtype != "fp8" and "fp8_recipe" not in changes:     # out of FP8: no recipe
-            new = dataclasses.replace(new, fp8_recipe=None)
+            new = dataclasses.replace(new, fp8_recipe=None, fp8_amax_unreduced=False)
         if new.pp == 1 and new.virtual_pp == 1 and "schedule" not in changes:
             new = dataclasses.replace(new, schedule=None)
         return new
@@ -178,6 +179,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep",
          "dp_shard": "--dp-shard", "n_experts": "--experts", "capacity_factor": "--capacity-factor",
          "tie_embeddings": "--tie", "recompute": "--recompute", "use_kernels": "--kernels",
          "dtype": "--dtype", "fp8_recipe": "--fp8-recipe", "zero": "--zero",
+         "fp8_amax_unreduced": "--no-fp8-amax-reduce",
          "schedule": "--schedule", "reference_routing": "--reference-routing"}
 
 
@@ -264,6 +266,11 @@ TABLE: tuple[Refusal, ...] = (
          "the kernels compute in float32 (and 16-bit on a GPU), so comparing them in another "
          "dtype checks nothing more",
          [{"dtype": "float32"}], "--tp 1 --kernels --dtype bfloat16"),
+    _row("fp8-amax-unreduced", "verify", ("fp8_amax_unreduced",),
+         lambda o: o.fp8 and o.fp8_amax_unreduced and o.tp * o.cp * o.dp * o.ep > 1,
+         "each rank scales its own piece of every FP8 tensor by its own amax, so its casts are "
+         "numbers no single device casts, and their difference cannot be told from a bug",
+         [{"fp8_amax_unreduced": False}], "--tp 2 --dtype fp8 --no-fp8-amax-reduce"),
     _row("per-rank-dropout", "verify", ("dropout_rng",),
          lambda o: o.dropout_rng == "per_rank",
          "Megatron's per-rank dropout seeds draw masks no single device draws, so nothing can be "

@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..config import ModelConfig
 from ..runtime import comm
+from ..tensor_parallel.fp8_linear import SCALERS, named_fp8_states
 from .checkpoint_pieces import (_local_to_state, _state_to_local, _write_weights, local_weights,
                                 placements)
 from .checkpoint_planners import CheckpointError, PlacedLoadPlanner, PlacedSavePlanner
@@ -74,6 +75,7 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
         for kind, flat in _optimizer_flats(optimizer):
             placed.update(placements(_state_to_local(engine, flat), model, f"optimizer/{kind}/"))
     _refuse_non_finite(placed, grid, path)
+    fp8 = fp8_states_of_every_stage(model)          # collective over pp
     if grid.rank == 0:
         if os.path.exists(partial):
             shutil.rmtree(partial)        # left by a save that died
@@ -91,7 +93,7 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
                     "zero_stage": _zero_stage(engine),
                     "optimizer_step": optimizer.step_count if optimizer is not None else None,
                     "optimizer_states": [k for k, _ in _optimizer_flats(optimizer)] if optimizer else [],
-                    "extra": extra or {}, "files": files}
+                    "extra": extra or {}, "fp8": fp8, "files": files}
         with open(os.path.join(partial, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -126,6 +128,64 @@ def _optimizer_flats(optimizer) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---- load ------------------------------------------------------------------------------------
+# ---- FP8: the scalers' amax histories, scales and uses (tensor_parallel/fp8.py) -----------------
+# With the amaxes reduced over tp x cp x dp every rank holding a layer holds the same scaler
+# state, so one copy per layer, taken over the pipeline's stages, is the checkpoint's (in the
+# manifest: float32 values survive JSON exactly). Without the reduction (--no-fp8-amax-reduce)
+# each rank's differs, and the copy kept is that of the stage's first ranks.
+def _fp8_layout(model) -> list[tuple[str, int]]:
+    """(FP8 layer, scaler) of the whole model, stage by stage, from the config (every rank
+    agrees, whatever it holds): layers.{i}.attention.qkv / .out, layers.{i}.mlp.fc1 / .fc2."""
+    gemms = ("attention.qkv", "attention.out", "mlp.fc1", "mlp.fc2")
+    return [(f"layers.{i}.{g}", k) for i in range(model.cfg.n_layers) if not model.cfg.is_moe_layer(i)
+            for g in gemms for k in range(len(SCALERS))]
+
+
+def fp8_states_of_every_stage(model) -> dict | None:
+    """{layer: {scaler: {"history", "scale", "uses"}}} of every FP8 layer (collective over pp),
+    None without FP8."""
+    mine = named_fp8_states(model)
+    recipes = [s.recipe for s in mine.values()]
+    if not recipes:
+        return None
+    width = 3 + recipes[0].history_len      # held, uses, scale, history...
+    layout = _fp8_layout(model)
+    flat = torch.zeros(len(layout), width, device=model.grid.device)
+    for row, (name, k) in enumerate(layout):
+        if name in mine:
+            st = mine[name].scalers()[k]
+            flat[row, 0], flat[row, 1] = 1.0, float(st.uses)
+            if st.scale is not None:
+                flat[row, 2] = st.scale
+            if st.history is not None:
+                flat[row, 3:] = st.history
+    comm.all_reduce(flat, model.grid.pp, op="max")
+    out: dict = {}
+    for row, (name, k) in zip(flat.tolist(), layout):
+        held, uses, scale, history = row[0], row[1], row[2], row[3:]
+        out.setdefault(name, {})[SCALERS[k]] = {
+            "uses": int(uses), "scale": scale if scale > 0 else None,
+            "history": history if uses > 0 or any(history) else None}
+    return out
+
+
+def load_fp8(model, saved: dict | None, path: str) -> None:
+    mine = named_fp8_states(model)
+    if not mine:
+        return
+    if saved is None:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: saved without FP8 scaler state "
+                              "(not an FP8 run): a resumed FP8 run would start every amax history "
+                              "empty; resume it with the --dtype it was saved with")
+    device = model.grid.device
+    tensor = lambda v: None if v is None else torch.tensor(v, dtype=torch.float32, device=device)
+    for name, state in mine.items():
+        for k, scaler in zip(SCALERS, state.scalers()):
+            s = saved[name][k]
+            scaler.load_state_dict({"history": tensor(s["history"]), "scale": tensor(s["scale"]),
+                                    "uses": s["uses"]})
+
+
 def read_manifest(path: str) -> dict:
     """The manifest, after checking that every file it lists is there, whole and unchanged."""
     file = os.path.join(path, MANIFEST)
@@ -228,6 +288,7 @@ def load(path: str, model, engine=None, optimizer=None) -> dict:
     # Every check passed and every byte is read: only now change the model and optimizer.
     _write_weights(model, engine, weights)
     model.rng.seed = manifest["dropout_seed"]   # masks are keyed by (seed, step, layer, row)
+    load_fp8(model, manifest.get("fp8"), path)
     if optimizer is not None:
         for kind, flat in _optimizer_flats(optimizer):
             _local_to_state(engine, masters if kind == "master" else states[kind], flat)

@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     o("--fp8-recipe", choices=RECIPES, default=None,
       help="with --dtype fp8: scales from an amax history (delayed, the default) or from each "
            "tensor's own amax (current)")
+    o("--no-fp8-amax-reduce", dest="fp8_amax_reduce", action="store_false",
+      help="with --dtype fp8: each rank scales its own pieces by their own amax (default: amaxes "
+           "all-reduced over tp x cp x dp, one scale per logical tensor, as Megatron-Core)")
     r = p.add_argument_group("run").add_argument
     r("--seed", type=int, default=0)
     r("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "data", "corpus.txt"))
@@ -149,7 +152,7 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
                          f"{args.microbatches} micro-batches: use a multiple of "
                          f"{replicas * args.microbatches}")
     try:
-        args.dtype_, args.fp8 = resolve_precision(args.dtype, args.fp8_recipe)
+        args.dtype_, args.fp8 = resolve_precision(args.dtype, args.fp8_recipe, args.fp8_amax_reduce)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.kernels:

@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--fp8-recipe", choices=RECIPES, default=None,
                    help="with --dtype fp8: each tensor's scale from an amax history (delayed, the "
                         "default) or from its own amax (current)")
+    r.add_argument("--no-fp8-amax-reduce", dest="fp8_amax_reduce", action="store_false",
+                   help="with --dtype fp8: each rank's own amaxes (default: all-reduced over tp x cp x "
+                        "dp); verify refuses it where a tensor is split (no one device casts so)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     r.add_argument("--eps", type=float, default=1e-6, help="AdamW eps (see the module docstring)")
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                            capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
                            aux_loss_coeff=args.aux_loss, z_loss_coeff=args.z_loss)
         validate_model(pcfg, mcfg)
-        dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe)
+        dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe, args.fp8_amax_reduce)
         Plant(args.plant).check_fp8(fp8)
         check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)   # a bad ZeRO stage
         check_comparable(pcfg, mcfg, dtype, args.zero, sched, fp8, args.reference_routing)

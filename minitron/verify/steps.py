@@ -237,9 +237,12 @@ def gathered_scales(model, ref, grid) -> torch.Tensor:
     every rank (0 for a layer of another stage; one all-reduce, max, over pp: collective)."""
     mine = named_fp8_states(model)
     out = torch.zeros(len(_scale_names(ref)), device=grid.device)
+    # a replica's (dp, cp, ep) gradients are of its own mean loss: dense_dp times the whole
+    # batch's, so its gradient scales are 1/dense_dp of one device's (the casts are the same)
+    replicas = grid.dense_dp.size
     for i, (name, k) in enumerate(_scale_names(ref)):
         if name in mine and mine[name].scalers()[k].last is not None:
-            out[i] = mine[name].scalers()[k].last
+            out[i] = mine[name].scalers()[k].last * (replicas if SCALERS[k] == "grad" else 1)
     return comm.all_reduce(out, grid.pp, op="max")
 
 
