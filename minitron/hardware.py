@@ -25,9 +25,10 @@ Data sheets (dense 16-bit tensor-core peak, no sparsity; bandwidths per GPU and 
 
 What is achieved of it (constants of the hardware, measured by microbenchmarks, never fitted to a
 training run):
-  matmul     the best large bf16 GEMM over shapes ("maximum achievable matmul FLOPS", Bekman's
-             ml-engineering benchmark): A100 271 of 312 TFLOP/s (0.87), H100 795 of 989 (0.80);
-             H200 taken as H100 (same compute die); V100 0.80 (cuBLAS fp16 large GEMMs).
+  matmul     the best large bf16 GEMM over shapes (Bekman, ml-engineering, compute/accelerator
+             README, "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 267.9 of 312
+             TFLOP/s (0.859), H100 SXM 792.1 of 989 (0.801); H200 taken as H100 (same compute die);
+             V100 0.80 (an assumption: cuBLAS fp16 large GEMMs, not in that table).
   HBM        a streaming copy reaches ~0.85-0.9 of the data sheet's bandwidth: 0.85.
   NVLink     nccl-tests all-reduce bus bandwidth inside a node: ~230 of 300 GB/s on DGX A100,
              ~360 of 450 on DGX H100 (no NVLink SHARP): 0.78 / 0.80.
@@ -95,11 +96,11 @@ GPUS = {
     "v100": GPU("V100 SXM3 32GB (DGX-2H)", 130e12, 32 * GIB, 0.9e12, 150e9, nic_share(8, 100, 16),
                 sms=80, matmul_eff=0.80, nvlink_eff=0.78),
     "a100": GPU("A100 SXM4 80GB", 312e12, 80 * GIB, 2.039e12, 300e9, nic_share(8, 200, 8), sms=108,
-                matmul_eff=0.87, nvlink_eff=0.78),
+                matmul_eff=267.9 / 312, nvlink_eff=0.78),
     "h100": GPU("H100 SXM5 80GB", 989e12, 80 * GIB, 3.35e12, 450e9, nic_share(8, 400, 8), sms=132,
-                matmul_eff=0.80, nvlink_eff=0.80),
+                matmul_eff=792.1 / 989, nvlink_eff=0.80),
     "h200": GPU("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 450e9, nic_share(8, 400, 8), sms=132,
-                matmul_eff=0.80, nvlink_eff=0.80),
+                matmul_eff=792.1 / 989, nvlink_eff=0.80),
 }
 GPUS_PER_NODE = {"v100": 16, "a100": 8, "h100": 8, "h200": 8}     # DGX-2H, DGX A100/H100/H200
 
