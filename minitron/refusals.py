@@ -279,11 +279,6 @@ TABLE: tuple[Refusal, ...] = (
          lambda o: o.reference_routing and not o.n_experts,
          "--reference-routing imposes the reference's expert choices on the routers of MoE layers, "
          "and a dense model has none", [{"n_experts": 4}, {"reference_routing": False}], None),
-    _row("experts-16bit-pipeline", "verify", ("n_experts", "dtype", "pp"),
-         lambda o: o.n_experts and o.pipelined and (o.dtype in SIXTEEN_BIT or o.reference_routing),
-         "verify aligns the routers' choices of the whole batch, not micro-batch by micro-batch, "
-         "so a rounding flip of a top-k cannot be told from a bug",
-         [{"pp": 1}, {"dtype": "float32"}], "--tp 1 --pp 2 --ep 2 --experts 4 --dtype bfloat16"),
     _row("capacity-pipeline", "verify", ("capacity_factor", "pp"),
          lambda o: o.capacity_factor is not None and o.pipelined,
          "a capacity factor drops tokens micro-batch by micro-batch, and verify compares the "

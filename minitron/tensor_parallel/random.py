@@ -97,6 +97,11 @@ class DropoutRNG:
         one block: a reference micro-batch gathered from every data-parallel replica's)."""
         self._row_ids = [int(r) for r in row_ids]
 
+    def row_ids(self, n: int) -> list[int]:
+        """The global batch rows of the next tensors' first n rows (rows_from / rows_at)."""
+        return list(range(self._first_row, self._first_row + n)) if self._row_ids is None \
+            else self._row_ids[:n]
+
     # ---- what differs between the modes -------------------------------------------------
     def stream_of(self, region: str) -> str:
         """The generator stream a region draws from: exact mode keys every mask instead."""

@@ -17,6 +17,13 @@ bitwise (tolerance 0):
                      imposing is broken), and in the row's name how many of its own top-k
                      choices differ: the flips the flag stepped over.
 A token's k choices are compared as a set (their order only orders the combine's sum).
+
+Inside pipeline stages the routers run micro-batch by micro-batch, and so does the reference
+(steps.reference_step). MicroBatchRouting follows the split side there: around each MoE layer's
+forward it reads which global rows the micro-batch holds (the dropout RNG's row_ids, set by the
+executor), imposes the reference's choices for exactly those rows, and records the choices used;
+after the step every layer's choices reach rank 0 (gathered inside the stage, summed over pp,
+each layer living on one pipeline rank), and the same rows as above are compared.
 """
 from __future__ import annotations
 
@@ -38,26 +45,83 @@ def gather_pairs(local: torch.Tensor, grid, batch: int) -> torch.Tensor:
     return comm.all_gather(pairs.contiguous(), grid.ep_dp, dim=0)
 
 
+def _positions(rows: torch.Tensor, grid) -> torch.Tensor:
+    """This rank's sequence positions of whole rows [r, s, k]: its cp chunks, its SP slice."""
+    mine = shard_sequence(rows, grid.cp.size, grid.cp.rank)
+    if grid.sequence_parallel:
+        mine = mine.chunk(grid.tp.size, dim=1)[grid.tp.rank]
+    return mine
+
+
 def local_pairs(full: torch.Tensor, grid) -> torch.Tensor:
     """The inverse of gather_pairs: this rank's [n_local, k] of the batch's [b, s, k]."""
     rows = full.shape[0] // grid.ep_dp.size
-    mine = full[grid.ep_dp.rank * rows:(grid.ep_dp.rank + 1) * rows]
-    mine = shard_sequence(mine, grid.cp.size, grid.cp.rank)
-    if grid.sequence_parallel:
-        mine = mine.chunk(grid.tp.size, dim=1)[grid.tp.rank]
+    mine = _positions(full[grid.ep_dp.rank * rows:(grid.ep_dp.rank + 1) * rows], grid)
     return mine.reshape(-1, full.shape[-1]).contiguous()
 
 
-def share_reference_choices(ref, model, grid, shape) -> list[torch.Tensor]:
-    """Rank 0's reference choices, [b, s, k] per MoE layer, on every rank (one broadcast)."""
-    layers = model.moe_layers()
-    k = layers[0].cfg.topk if layers else 1
+def reference_choices(ref, shape) -> list[torch.Tensor]:
+    """The reference's choices of its last forward, [b, s, k] per MoE layer (the whole batch)."""
+    return [m.routing.experts.view(*shape, -1) for m in ref.moe_layers()]
+
+
+def share_reference_choices(choices: list[torch.Tensor] | None, grid, n_layers: int, shape,
+                            k: int) -> list[torch.Tensor]:
+    """Rank 0's reference `choices`, [b, s, k] per MoE layer, on every rank (one broadcast)."""
     if grid.rank == 0:
-        stacked = torch.stack([m.routing.experts.view(*shape, k) for m in ref.moe_layers()])
+        stacked = torch.stack(choices)
     else:
-        stacked = torch.empty(len(layers), *shape, k, dtype=torch.int64, device=grid.device)
+        stacked = torch.empty(n_layers, *shape, k, dtype=torch.int64, device=grid.device)
     comm.broadcast(stacked, comm.Group("world", range(grid.world_size)), src=0)
     return list(stacked)
+
+
+class MicroBatchRouting:
+    """Per micro-batch inside pipeline stages (module docstring): each MoE layer of this rank
+    takes the reference's choices for the rows it routes (`impose`), and its choices are kept."""
+
+    def __init__(self, model, grid):
+        self.grid, self.rng = grid, model.rng
+        moe = [i for i in range(model.cfg.n_layers) if model.cfg.is_moe_layer(i)]
+        self.n_layers, self.k = len(moe), model.cfg.topk
+        self.layers = {moe.index(int(i)): layer.mlp for i, layer in model.layers.items()
+                       if model.cfg.is_moe_layer(int(i))}      # global MoE index -> this rank's
+        self.imposed: list[torch.Tensor] | None = None
+        for j, layer in self.layers.items():
+            layer.forward = self._following(j, layer, layer.forward)
+
+    def start(self, shape, imposed: list[torch.Tensor] | None) -> None:
+        """A step of the global batch `shape` [b, s]; imposed: the reference's choices or None."""
+        b, s = shape
+        self.first_row = self.grid.ep_dp.rank * (b // self.grid.ep_dp.size)
+        local = _positions(torch.zeros(b // self.grid.ep_dp.size, s, self.k, dtype=torch.int64,
+                                       device=self.grid.device), self.grid)
+        self.used = {j: local.clone() for j in self.layers}
+        self.own = {j: local.clone() for j in self.layers}
+        self.imposed = imposed
+
+    def _following(self, j, layer, forward):
+        def routed(x):
+            rows = torch.tensor(self.rng.row_ids(x.shape[0]), device=x.device)
+            if self.imposed is not None:
+                layer.imposed_experts = _positions(self.imposed[j][rows], self.grid) \
+                    .reshape(-1, self.k).contiguous()
+            y = forward(x)
+            r, mine = layer.routing, rows - self.first_row
+            self.used[j][mine] = r.experts.view(len(rows), -1, self.k)
+            if r.own is not None:
+                self.own[j][mine] = r.own.view(len(rows), -1, self.k)
+            return y
+        return routed
+
+    def gathered(self, shape, which: str) -> list[torch.Tensor]:
+        """Every MoE layer's `which` (used or own) choices of the step, [b, s, k], on every rank
+        (collective: gathered inside this rank's stages, then summed over pp)."""
+        out = torch.zeros(self.n_layers, *shape, self.k, dtype=torch.int64, device=self.grid.device)
+        for j, pairs in sorted(getattr(self, which).items()):
+            out[j] = gather_pairs(pairs.reshape(-1, self.k).to(out.device), self.grid, shape[0])
+        comm.all_reduce(out, self.grid.pp)
+        return list(out)
 
 
 def impose(model, choices: list[torch.Tensor] | None, grid) -> None:
@@ -72,14 +136,14 @@ def differing(a: torch.Tensor, b: torch.Tensor, n_experts: int) -> int:
     return int((in_a & ~in_b).sum())
 
 
-def routing_rows(step: int, used: list[torch.Tensor], own: list[torch.Tensor] | None, ref,
-                 shape) -> list[Row]:
+def routing_rows(step: int, used: list[torch.Tensor], own: list[torch.Tensor] | None,
+                 ref_choices: list[torch.Tensor], n_experts: int) -> list[Row]:
     """One row (see the module docstring). `used`: the split model's choices per layer, [b, s, k];
-    `own`: its own top-k where the reference's were imposed, else None."""
-    ref_choices = [m.routing.experts.view(*shape, -1) for m in ref.moe_layers()]
+    `own`: its own top-k where the reference's were imposed, else None; `ref_choices`: the
+    reference's."""
     if not ref_choices:
         return []
-    E = ref.cfg.n_experts
+    E = n_experts
     total = sum(c.numel() for c in ref_choices)
     differ = sum(differing(u, r, E) for u, r in zip(used, ref_choices))
     if own is None:

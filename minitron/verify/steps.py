@@ -41,26 +41,32 @@ def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
 
 
 def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.float32,
-                   loss_scale: float = 1.0, microbatches: int = 1, replicas: int = 1):
+                   loss_scale: float = 1.0, microbatches: int = 1, replicas: int = 1,
+                   choices: list | None = None):
     """The same on the reference: what GPT.forward does, with X kept. (loss_dtype=float64 makes
     a float64 model exact up to float64 rounding: the oracle tests measure float32 against.)
 
     microbatches > 1 (experts inside pipeline stages): the routers' auxiliary losses are over
     each micro-batch, as the split model's are, so the reference runs the same micro-batches:
-    micro-batch k is the k-th of every one of `replicas` data-parallel replicas' rows."""
+    micro-batch k is the k-th of every one of `replicas` data-parallel replicas' rows.
+    `choices`, a list: filled with the routers' choices of the whole batch, [b, s, k] per MoE
+    layer (micro-batch by micro-batch, as they were made)."""
     if microbatches > 1:
         return _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale,
-                                       microbatches, replicas)
+                                       microbatches, replicas, choices)
     ref.rng.reset(step_seed)
     x = ref.embed(tokens)
     x.retain_grad()
     logits = ref.run_layers(x) @ ref.output_weight().t()
     loss = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets.flatten()) + ref.moe_loss()
     (loss * loss_scale).backward()
+    if choices is not None:
+        choices[:] = routing.reference_choices(ref, tokens.shape)
     return x, logits, loss
 
 
-def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale, m, replicas):
+def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale, m, replicas,
+                            choices=None):
     b = tokens.shape[0] // replicas
     mb = b // m
     x_all = torch.empty(*tokens.shape, ref.cfg.hidden, dtype=next(ref.parameters()).dtype,
@@ -73,6 +79,12 @@ def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_sc
         x = ref.embed(tokens[rows])
         x.retain_grad()
         logits = ref.run_layers(x) @ ref.output_weight().t()
+        if choices is not None:
+            if k == 0:
+                choices[:] = [torch.zeros(*tokens.shape, ref.cfg.topk, dtype=torch.int64,
+                                          device=tokens.device) for _ in ref.moe_layers()]
+            for full, mine in zip(choices, routing.reference_choices(ref, tokens[rows].shape)):
+                full[rows] = mine
         part = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets[rows].flatten()) + ref.moe_loss()
         (part * loss_scale / m).backward()
         if logits_all is None:
@@ -143,8 +155,12 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     ref_opt = (MasterWeightsAdamW(ref, lr=lr, eps=eps) if low
                else torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps, weight_decay=WEIGHT_DECAY))
     tol = float32_tolerance(mcfg, batch, seq)
-    # which choices the routers made, against the reference's: 16-bit experts or imposed choices
-    count_choices = bool(mcfg.n_experts) and (low or reference_routing) and run.schedule is None
+    # which choices the routers made, against the reference's: 16-bit experts or imposed choices;
+    # inside pipeline stages micro-batch by micro-batch (routing.MicroBatchRouting)
+    count_choices = bool(mcfg.n_experts) and (low or reference_routing)
+    per_micro = routing.MicroBatchRouting(model, grid) if count_choices and run.schedule is not None \
+        else None
+    n_moe_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers))
     ref_scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
     rows: list[Row] = []
     for step in range(steps):
@@ -154,15 +170,23 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         # the routers' losses, and FP8's amaxes, are per micro-batch: so is the reference then
         per_microbatch = run.schedule is not None and (mcfg.n_experts or fp8 is not None)
 
+        ref_choices: list = []        # the reference's routers' choices, [b, s, k] per layer
+
         def reference(model=ref):
             return reference_step(model, tokens, targets, step_seed, loss_scale=ref_scale,
                                   microbatches=run.schedule.microbatches if per_microbatch else 1,
-                                  replicas=grid.ep_dp.size)
+                                  replicas=grid.ep_dp.size,
+                                  choices=ref_choices if model is ref else None)
         twins = [noise.twin(ref) for _ in noise.SPLITS] if lead and low else []   # before it steps
-        ref_out = None
+        ref_out, imposed = None, None
         if reference_routing:     # the reference first: its routers' choices go to the split side
             ref_out = reference() if lead else None
-            routing.impose(model, routing.share_reference_choices(ref, model, grid, tokens.shape), grid)
+            imposed = routing.share_reference_choices(ref_choices, grid, n_moe_layers,
+                                                      tokens.shape, mcfg.topk)
+            if per_micro is None:
+                routing.impose(model, imposed, grid)
+        if per_micro is not None:
+            per_micro.start(tokens.shape, imposed)
         out = run.forward_backward(tokens, targets, step_seed, keep_outputs=True)
         # Gather what rank 0 compares (collectives: every rank takes part).
         full_logits = planted.logits(out.logits)
@@ -174,13 +198,18 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         # which (token, expert) pairs a capacity factor dropped: whole-batch routing, no pipeline
         kept = [_gather_kept(m, grid, tokens.shape[0]) for m in model.moe_layers()] \
             if run.schedule is None else []
-        layers = model.moe_layers() if count_choices else []
-        used = [routing.gather_pairs(m.routing.experts, grid, tokens.shape[0]) for m in layers]
-        own = [routing.gather_pairs(m.routing.own, grid, tokens.shape[0]) for m in layers] \
-            if reference_routing else None
+        if per_micro is not None:
+            used = per_micro.gathered(tokens.shape, "used")
+            own = per_micro.gathered(tokens.shape, "own") if reference_routing else None
+        else:
+            layers = model.moe_layers() if count_choices else []
+            used = [routing.gather_pairs(m.routing.experts, grid, tokens.shape[0]) for m in layers]
+            own = [routing.gather_pairs(m.routing.own, grid, tokens.shape[0]) for m in layers] \
+                if reference_routing else None
         if lead:
             ref_x, ref_logits, ref_loss = ref_out or reference()
-            rows += routing.routing_rows(step, used, own, ref, tokens.shape) if count_choices else []
+            rows += routing.routing_rows(step, used, own, ref_choices, mcfg.n_experts) \
+                if count_choices else []
             if low:
                 outs = []
                 for frac, twin in zip(noise.SPLITS, twins):
