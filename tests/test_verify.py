@@ -170,7 +170,7 @@ def test_expert_parallel_without_experts_exits_2(capsys):
     """Every dimension is built (the MoE runs are in tests/test_moe_verify.py); --ep alone has
     nothing to split."""
     assert verify_cli.main(["--ep", "2"]) == 2
-    assert "but the model has none" in capsys.readouterr().err
+    assert "a dense model has none" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [
