@@ -6,8 +6,22 @@ import torch
 
 import minitron
 # MINITRON_STRICT=1 (.ci/run): a skip fails unless this machine cannot run the test.
-from strict_skips import (pytest_collection_modifyitems, pytest_make_collect_report,  # noqa: F401
-                          pytest_runtest_makereport)
+import strict_skips
+from strict_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+
+# The files that take longest, longest first (each mostly one module fixture: nbval over every
+# lesson, grading every solution, the sm_90 compiler over every kernel, the interpreter).
+# `make test` runs whole files on 2-4 xdist workers, handed out in collection order
+# (--no-loadscope-reorder): started first, these run side by side from the start and the short
+# files fill in around them, instead of one starting when a worker frees up late in the run.
+LONG_POLES = ("test_notebooks.py", "test_grading.py", "test_kernels_compile.py",
+              "test_model_kernels.py", "test_kernels.py")
+
+
+def pytest_collection_modifyitems(items):
+    strict_skips.pytest_collection_modifyitems(items)
+    first = {name: k for k, name in enumerate(LONG_POLES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONG_POLES)))   # stable: the rest as collected
 
 
 def _import_triton_for_this_machine():
