@@ -82,7 +82,8 @@ verify-all: setup
 # bench/results/verify_matrix.md (lesson 12 reads it).
 verify-matrix: setup
 	@mkdir -p bench/results
-	{ printf '# python -m minitron.verify --matrix, %s\n\n%s\n\n```\n' "$$(date -u +%Y-%m-%d)" \
+	{ printf '# python -m minitron.verify --matrix, %s\n\ncommit %s\n\n%s\n\n```\n' "$$(date -u +%Y-%m-%d)" \
+	    "$$(git rev-parse --short HEAD 2>/dev/null || echo '(not a git checkout)')$$(git diff --quiet HEAD -- minitron 2>/dev/null || echo ' with uncommitted changes to minitron/')" \
 	    "$$($(BIN)/python -c 'from minitron.bench.overhead import machine; print(machine())')"; \
 	  $(BIN)/python -m minitron.verify --matrix | grep -v '^  '; printf '```\n'; } \
 	  > bench/results/verify_matrix.md

@@ -7,20 +7,51 @@ from minitron.verify import cli as verify_cli
 
 
 def test_the_matrix_has_every_combination_of_at_most_8_ranks():
-    rows = matrix.cases()
+    rows = matrix.cases()[:-len(matrix.FEATURES)]
     assert len(rows) == 26 and all(c.world <= 8 for c in rows)
     assert {c.schedule for c in rows if c.sizes["pp"] > 1} == set(matrix.SCHEDULES)
     assert {c.zero for c in rows if c.sizes["dp"] > 1} == set(matrix.ZERO_STAGES)
     assert {c.cp_variant for c in rows if c.sizes["cp"] > 1} == set(matrix.CP_VARIANTS)
     assert any(c.dtype != matrix.torch.float32 for c in rows)
-    quick = matrix.cases(quick=True)
+    quick = matrix.cases(quick=True)[:-len(matrix.FEATURES)]
     assert [c.label() for c in quick] == [c.label() for c in rows if c.sizes in [q.sizes for q in quick]]
+
+
+def test_every_feature_has_a_row_composed_with_other_dimensions():
+    features = matrix.cases()[-len(matrix.FEATURES):]
+    assert features == matrix.cases(quick=True)[-len(matrix.FEATURES):]
+    labels = " | ".join(c.label() for c in features)
+    for name in ("hsdp", "hierarchical a2a2", "tp-overlap", "fp8-delayed", "fp8-current", "dualpipev",
+                 "recompute-full", "recompute-selective", "kernels"):
+        assert name in labels, (name, labels)
+    # each with at least two dimensions split, on at most 8 ranks
+    assert all(sum(v > 1 for v in c.sizes.values()) >= 2 and c.world <= 8 for c in features)
+
+
+def test_the_matrix_takes_the_model_options_and_says_so(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(matrix, "run_case", lambda case, steps, plant, base: seen.append(base) or
+                        matrix.Result(case, "PASS", 1, 0.0, 9.0))
+    argv = ["--matrix", "--quick", "--vocab", "1002", "--hidden", "200", "--heads", "8",
+            "--kv-heads", "2", "--seq", "24"]
+    assert verify_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: vocab 1002, seq 24, hidden 200, 4 layers, 8 heads, 2 kv heads"), out
+    assert {(b.vocab_size, b.hidden, b.n_heads, b.n_kv_heads, b.seq_len) for b in seen} == {(1002, 200, 8, 2, 24)}
+
+
+def test_a_row_the_shape_does_not_split_into_says_so():
+    case = matrix.features()[4]                                  # tp2+sp cp2: 4 ranks
+    base = matrix.dataclasses.replace(matrix.DEFAULT_MODEL, seq_len=6)     # 2 cp ranks need 4 chunks
+    result = matrix.run_case(case, base=base)
+    assert result.verdict == "no fit" and "seq" in result.why, result.why
 
 
 def test_the_quick_matrix_passes(capsys):
     assert verify_cli.main(["--matrix", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "7 configurations: 7 PASS, 0 FAIL, 0 refused" in out, out
+    n = 7 + len(matrix.FEATURES)
+    assert f"{n} configurations: {n} PASS, 0 FAIL, 0 refused" in out, out
 
 
 @pytest.mark.parametrize("plant", ["dp-bucket", "cp-no-rescale"])

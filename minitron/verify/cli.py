@@ -140,8 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                         "every layer (full) or the attention core (selective)")
     r.add_argument("--plant", default=None, help=argparse.SUPPRESS)   # tests: plants.PLANTS
     r.add_argument("--matrix", action="store_true",
-                   help="every combination of tp, pp, dp, cp, ep in {1, 2} on at most 8 ranks, one "
-                        "row each (minitron/verify/matrix.py); the other options are ignored")
+                   help="every combination of tp, pp, dp, cp, ep in {1, 2} on at most 8 ranks, then "
+                        "every feature composed with others, one row each (minitron/verify/"
+                        "matrix.py), at the model options' shape; the parallel options are ignored")
     r.add_argument("--quick", action="store_true", help="with --matrix: a representative subset")
     r.add_argument("--explain", action="store_true",
                    help="print each group kind's ranks and whether it stays inside a node "
@@ -155,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--gpus-per-node", type=_positive, default=8,
                    help="devices per node, for --explain and the warning when a tp group spans nodes")
     m = p.add_argument_group("model")
-    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--layers", type=int, default=None, help="(default 2; 4 with --matrix)")
     m.add_argument("--hidden", type=int, default=64)
     m.add_argument("--heads", type=int, default=4)
     m.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: heads)")
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         batch = split_batch(args.batch, pcfg, sched, "--batch")
         mcfg = ModelConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
-                           n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                           n_layers=args.layers or 2, n_heads=args.heads, n_kv_heads=args.kv_heads,
                            norm=args.norm, activation=args.activation, position=args.position,
                            dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias,
                            use_kernels=args.kernels, recompute=args.recompute,
@@ -261,7 +262,20 @@ def _matrix(args) -> int:
         print(f"error: --plant {args.plant} with --matrix: choose one of "
               f"{', '.join(matrix.PLANT_DIMENSION)}", file=sys.stderr)
         return 2
-    results = matrix.run(args.quick, steps=args.steps if args.steps != 3 else 2, plant=args.plant)
+    try:
+        base = dataclasses.replace(
+            matrix.DEFAULT_MODEL, vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
+            n_layers=args.layers or matrix.DEFAULT_MODEL.n_layers, n_heads=args.heads,
+            n_kv_heads=args.kv_heads, norm=args.norm, activation=args.activation,
+            position=args.position, dropout=args.dropout, tie_embeddings=args.tie, bias=not args.no_bias)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"model: vocab {base.vocab_size}, seq {base.seq_len}, hidden {base.hidden}, "
+          f"{base.n_layers} layers, {base.n_heads} heads, {base.n_kv_heads or base.n_heads} kv heads, "
+          f"{base.norm}, {base.activation}, {base.position} positions, dropout {base.dropout}", flush=True)
+    results = matrix.run(args.quick, steps=args.steps if args.steps != 3 else 2, plant=args.plant,
+                         base=base)
     print(matrix.table(results))
     ok = matrix.as_expected(results, args.plant)
     if args.plant:

@@ -10,6 +10,17 @@ equality of every replica, against the single-device reference. A combination th
 not run yet is printed as refused, with its row of minitron/refusals.py (the one table the
 engine and the command lines refuse from); any other error ends the matrix.
 
+After the grid's rows come the features, each composed with other dimensions (FEATURES): hybrid
+sharding (--dp-shard) under tp2+SP x pp2, hierarchical context parallelism (Ulysses in pairs, a
+ring across) with dp, overlapped TP under pp and dp, FP8 with both recipes (delayed under pp2 x
+dp2, current under tp2+SP x cp2), DualPipeV under tp2+SP, full and selective recomputation, and
+the fused kernels (Triton's interpreter on CPU ranks) under tp2+SP x dp2.
+
+The model is the matrix's own (vocab 128, seq 16, hidden 64, 4 layers, 4 heads) unless the
+model options say otherwise (`--vocab 1002 --hidden 200 --heads 8 --kv-heads 2 --seq 24`); the
+shape used is printed first, and a row the shape cannot be split into is shown as `no fit`
+with the reason (model/splits.py), not run.
+
 `--plant KIND` puts one planted bug (verify/plants.py) into every row that holds its dimension
 (PLANT_DIMENSION: a tensor-parallel replica drifting, a stage sending back a stale gradient,
 a bucket never reduced, the ring's merge without its rescale, a token sent to the wrong expert):
@@ -26,7 +37,9 @@ import torch
 
 from ..grid import ParallelConfig
 from ..config import ModelConfig
+from ..model.splits import validate_model
 from ..refusals import Refused
+from ..train.precision import resolve_precision
 from .run import verify
 
 SIZES = (1, 2)
@@ -42,6 +55,9 @@ QUICK = [dict(tp=2, pp=2, dp=2), dict(cp=2, ep=2, dp=2), dict(tp=2, cp=2, pp=2),
          dict(tp=2, ep=2), dict(dp=2, cp=2), dict(pp=2, ep=2), dict()]
 
 
+DEFAULT_MODEL = ModelConfig(vocab_size=128, seq_len=16, hidden=64, n_layers=4, n_heads=4, dropout=0.1)
+
+
 @dataclasses.dataclass
 class Case:
     sizes: dict
@@ -49,6 +65,9 @@ class Case:
     zero: int | None
     cp_variant: str
     dtype: torch.dtype
+    # the features (FEATURES): ParallelConfig fields (dp_shard, cp_a2a, tp_comm_overlap),
+    # ModelConfig fields (recompute, use_kernels) and "fp8": a recipe name
+    options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -61,7 +80,14 @@ class Case:
         extra = [self.schedule, None if self.zero is None else f"zero{self.zero}",
                  self.cp_variant if self.sizes["cp"] > 1 else None,
                  "moe" if self.sizes["ep"] > 1 else None,
-                 "bf16" if self.dtype == torch.bfloat16 else None]
+                 "bf16" if self.dtype == torch.bfloat16 and "fp8" not in self.options else None]
+        o = self.options
+        extra += [f"hsdp(shard {o['dp_shard']})" if "dp_shard" in o else None,
+                  f"a2a{o['cp_a2a']}" if "cp_a2a" in o else None,
+                  "tp-overlap" if o.get("tp_comm_overlap") else None,
+                  f"fp8-{o['fp8']}" if "fp8" in o else None,
+                  f"recompute-{o['recompute']}" if "recompute" in o else None,
+                  "kernels" if o.get("use_kernels") else None]
         return " ".join(parts + [e for e in extra if e])
 
 
@@ -86,12 +112,38 @@ def cases(quick: bool = False) -> list[Case]:
     if quick:                      # the same rows as in the whole matrix, a few of them
         wanted = [{**{d: 1 for d in DIMS}, **q} for q in QUICK]
         out = [c for c in out if c.sizes in wanted]
-    return out
+    return out + features()
 
 
-def model_for(case: Case) -> ModelConfig:
-    return ModelConfig(vocab_size=128, seq_len=16, hidden=64, n_layers=4, n_heads=4, dropout=0.1,
-                       n_experts=4 if case.sizes["ep"] > 1 else 0, topk=2)
+def _sizes(**kw) -> dict:
+    return {**{d: 1 for d in DIMS}, **kw}
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+# (sizes, schedule, zero, cp_variant, dtype, options): every feature composed with other dimensions
+FEATURES = [
+    (_sizes(tp=2, pp=2, dp=2), "1f1b", 1, "ring", BF16, {"dp_shard": 1}),            # HSDP
+    (_sizes(cp=4, dp=2), None, 0, "hierarchical", FP32, {"cp_a2a": 2}),
+    (_sizes(tp=2, pp=2, dp=2), "1f1b", 0, "ring", FP32, {"tp_comm_overlap": True}),
+    (_sizes(pp=2, dp=2), "1f1b", 1, "ring", BF16, {"fp8": "delayed"}),
+    (_sizes(tp=2, cp=2), None, None, "ring", BF16, {"fp8": "current"}),
+    (_sizes(tp=2, pp=2), "dualpipev", None, "ring", FP32, {}),
+    (_sizes(tp=2, pp=2), "1f1b", None, "ring", FP32, {"recompute": "full"}),
+    (_sizes(dp=2, pp=2), "1f1b", 3, "ring", BF16, {"recompute": "selective"}),
+    (_sizes(tp=2, dp=2), None, 1, "ring", FP32, {"use_kernels": True}),
+]
+
+
+def features() -> list[Case]:
+    return [Case(sizes, schedule, zero, variant, dtype, dict(options))
+            for sizes, schedule, zero, variant, dtype, options in FEATURES]
+
+
+def model_for(case: Case, base: ModelConfig = DEFAULT_MODEL) -> ModelConfig:
+    """The base model (the matrix's own, or the command line's shape), with experts in ep rows
+    and the row's model features."""
+    model = {k: v for k, v in case.options.items() if k in ("recompute", "use_kernels")}
+    return dataclasses.replace(base, n_experts=4 if case.sizes["ep"] > 1 else 0, topk=2, **model)
 
 
 @dataclasses.dataclass
@@ -105,19 +157,29 @@ class Result:
     why: str = ""
 
 
-def run_case(case: Case, steps: int = 2, plant: str | None = None) -> Result:
+def run_case(case: Case, steps: int = 2, plant: str | None = None,
+             base: ModelConfig = DEFAULT_MODEL) -> Result:
     s = case.sizes
     if plant is not None and s[PLANT_DIMENSION[plant.split(":")[0]]] == 1:
         plant = None                       # not this row's dimension: it runs clean
     if plant == "dp-bucket":               # a bucket of plain data parallelism (ZeRO 0)
         case = dataclasses.replace(case, zero=0)
+    grid = {k: v for k, v in case.options.items() if k in ("dp_shard", "cp_a2a", "tp_comm_overlap")}
     pcfg = ParallelConfig(tp=s["tp"], pp=s["pp"], dp=s["dp"], cp=s["cp"], ep=s["ep"],
                           sequence_parallel=s["tp"] > 1, cp_variant=case.cp_variant,
-                          virtual_pp=2 if case.schedule == "interleaved" else 1)
+                          virtual_pp=2 if case.schedule == "interleaved" else 1, **grid)
+    mcfg = model_for(case, base)
+    dtype, fp8 = (resolve_precision("fp8", case.options["fp8"]) if "fp8" in case.options
+                  else (case.dtype, None))
+    try:
+        validate_model(pcfg, mcfg)
+    except ValueError as e:                # this shape does not split on this row's grid
+        return Result(case, "no fit", why=str(e).splitlines()[0])
     t0 = time.perf_counter()
     try:
-        report = verify(pcfg, model_for(case), steps, dtype=case.dtype, schedule=case.schedule,
-                        microbatches=4 if case.schedule else None, zero=case.zero, plant=plant)
+        report = verify(pcfg, mcfg, steps, dtype=dtype, schedule=case.schedule,
+                        microbatches=4 if case.schedule else None, zero=case.zero, plant=plant,
+                        fp8=fp8)
     except Refused as e:
         return Result(case, "refused", why=f"{e.name}: {e.as_flags()}")
     rows = report.rows
@@ -133,24 +195,26 @@ def table(results: list[Result]) -> str:
     lines = [f"{'configuration':<{width}}  {'ranks':>5}  {'compared':>8}  {'worst rel err':>13}  "
              f"{'margin':>7}  {'verdict':<7}  {'seconds':>7}"]
     for r in results:
-        if r.verdict == "refused":
+        if r.verdict in ("refused", "no fit"):
             lines.append(f"{r.case.label():<{width}}  {r.case.world:>5}  {'-':>8}  {'-':>13}  "
-                         f"{'-':>7}  refused  {'-':>7}  {r.why}")
+                         f"{'-':>7}  {r.verdict:<7}  {'-':>7}  {r.why}")
             continue
         margin = f"{r.margin:6.0f}x" if r.margin != float("inf") else f"{'-':>7}"
         lines.append(f"{r.case.label():<{width}}  {r.case.world:>5}  {r.comparisons:>8}  "
                      f"{r.worst:13.2e}  {margin}  {r.verdict:<7}  {r.seconds:7.1f}"
                      + (f"  {r.why}" if r.why else ""))
-    counts = {v: sum(r.verdict == v for r in results) for v in ("PASS", "FAIL", "refused")}
+    counts = {v: sum(r.verdict == v for r in results) for v in ("PASS", "FAIL", "refused", "no fit")}
     lines.append(f"{len(results)} configurations: {counts['PASS']} PASS, {counts['FAIL']} FAIL, "
-                 f"{counts['refused']} refused")
+                 f"{counts['refused']} refused" + (f", {counts['no fit']} do not fit the shape"
+                                                   if counts["no fit"] else ""))
     return "\n".join(lines)
 
 
-def run(quick: bool = False, steps: int = 2, plant: str | None = None, show=print) -> list[Result]:
+def run(quick: bool = False, steps: int = 2, plant: str | None = None, show=print,
+        base: ModelConfig = DEFAULT_MODEL) -> list[Result]:
     results = []
     for case in cases(quick):
-        results.append(run_case(case, steps, plant))
+        results.append(run_case(case, steps, plant, base))
         show(f"  {results[-1].case.label()}: {results[-1].verdict}", flush=True)
     return results
 
@@ -161,4 +225,4 @@ def as_expected(results: list[Result], plant: str | None) -> bool:
         return all(r.verdict != "FAIL" for r in results)
     dim = PLANT_DIMENSION[plant.split(":")[0]]
     return all(r.verdict == ("FAIL" if r.case.sizes[dim] > 1 else "PASS")
-               for r in results if r.verdict != "refused")
+               for r in results if r.verdict not in ("refused", "no fit"))
