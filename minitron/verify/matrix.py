@@ -37,6 +37,7 @@ import torch
 
 from ..grid import ParallelConfig
 from ..config import ModelConfig
+from ..model.fused import enable_kernels
 from ..model.splits import validate_model
 from ..refusals import Refused
 from ..train.precision import resolve_precision
@@ -212,8 +213,11 @@ def table(results: list[Result]) -> str:
 
 def run(quick: bool = False, steps: int = 2, plant: str | None = None, show=print,
         base: ModelConfig = DEFAULT_MODEL) -> list[Result]:
-    results = []
-    for case in cases(quick):
+    results, rows = [], cases(quick)
+    for case in rows:     # TRITON_INTERPRET=1 (CPU ranks) before any row imports triton
+        if case.options.get("use_kernels"):
+            enable_kernels(model_for(case, base), case.world)
+    for case in rows:
         results.append(run_case(case, steps, plant, base))
         show(f"  {results[-1].case.label()}: {results[-1].verdict}", flush=True)
     return results
