@@ -174,6 +174,8 @@ def run_case(case: Case, steps: int = 2, plant: str | None = None,
                   else (case.dtype, None))
     try:
         validate_model(pcfg, mcfg)
+        if mcfg.use_kernels:
+            enable_kernels(mcfg, pcfg.world_size)
     except ValueError as e:                # this shape does not split on this row's grid
         return Result(case, "no fit", why=str(e).splitlines()[0])
     t0 = time.perf_counter()
@@ -216,7 +218,10 @@ def run(quick: bool = False, steps: int = 2, plant: str | None = None, show=prin
     results, rows = [], cases(quick)
     for case in rows:     # TRITON_INTERPRET=1 (CPU ranks) before any row imports triton
         if case.options.get("use_kernels"):
-            enable_kernels(model_for(case, base), case.world)
+            try:
+                enable_kernels(model_for(case, base), case.world)
+            except ValueError:
+                pass            # the shape does not suit the kernels: the row says so
     for case in rows:
         results.append(run_case(case, steps, plant, base))
         show(f"  {results[-1].case.label()}: {results[-1].verdict}", flush=True)
