@@ -163,7 +163,9 @@ class TensorScaler:
         self.history, self.scale, self.uses = clone(state["history"]), clone(state["scale"]), int(state["uses"])
 
 
-# FP8 comparisons (verify --dtype fp8, tests) against the float32 reference. Every FP8 GEMM
+# FP8 against a float32 run (tests/test_fp8.py, lesson 07: what FP8 costs in accuracy). verify
+# --dtype fp8 no longer uses this bar: it compares with one device running the same FP8 GEMMs,
+# against that precision's measured noise (verify/noise.py, checks.noise_rows). Every FP8 GEMM
 # rounds each entry of both operands to the format (relative error up to eps/2), so one GEMM's
 # output is off by about eps/2 relative to its largest entry, and the errors of the layers add
 # up; beside them bf16's own roundings (eps 2^-8) are small. So, as the 16-bit bar is C16 * eps16
