@@ -171,7 +171,7 @@ def test_saved_activations_fall_as_one_over_cp(run_ranks):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_bytes_equal_the_formula(run_ranks, cp):
-    """Forward: cp-1 K/V blocks sent per rank; backward: cp-1 blocks and cp dK/dV hops."""
+    """Forward: cp-1 K/V blocks sent per rank; backward: cp-1 blocks and cp-1 dK/dV hops."""
     got = run_ranks(_measure, cp, "ring", world_size=cp)
     formula = ring_bytes(B, H, S, D, cp)
     for rank, m in enumerate(got):

@@ -33,11 +33,11 @@ def test_the_grid_gives_the_two_sub_groups():
     assert tp2.group_ranks(SUBGROUP_DIMS["cp_ring"])[:2] == [[0, 4], [1, 5]]
 
 
-def hierarchical_rank(skip_ring=False):
+def hierarchical_rank(skip_ring=False, dtype=torch.float32):
     """Errors of out, dQ, dK, dV against full attention, and the wire bytes per sub-group."""
     grid = build_grid(HIER)
     r = grid.cp.rank
-    q, k, v, do = _tensors(B, HQ, HKV, S, D, torch.float32)
+    q, k, v, do = (t.to(dtype) for t in _tensors(B, HQ, HKV, S, D, torch.float32))
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     out_ref = torch_attention(*ref, True, D ** -0.5)
     out_ref.backward(do.double())
@@ -61,6 +61,16 @@ def test_hierarchical_equals_full_attention_and_its_bytes_the_formula(run_ranks)
         assert other == 0
     # the ring carries the flat ring's block, but over R - 1 = 1 hop instead of cp - 1 = 3
     assert formula["cp_ring"]["forward"] == ring_bytes(B, HKV, S, D, 4)["forward"] / 3
+    # backward: R - 1 = 1 K/V block and R - 1 = 1 running dK/dV block (Megatron-Core's a2a+p2p)
+    assert formula["cp_ring"]["backward"] == 2 * formula["cp_ring"]["forward"]
+
+
+def test_in_bfloat16_the_gradients_travel_in_bfloat16(run_ranks):
+    """dK, dV cross the ring in the activations' dtype, as K and V do: half float32's bytes."""
+    formula = hierarchical_bytes(B, HQ, HKV, S, D, a2a=2, ring=2, element_size=2)
+    for errs, wire, other in run_ranks(hierarchical_rank, False, torch.bfloat16, world_size=4):
+        assert wire == {g: (f["forward"], f["backward"]) for g, f in formula.items()}
+        assert max(errs) < 2e-2, errs                               # bf16 blocks, rounded per hop
 
 
 def test_planted_skipped_ring_is_caught(run_ranks):

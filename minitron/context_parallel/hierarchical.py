@@ -12,7 +12,7 @@ and h_q, h_kv the (tensor-parallel rank's) heads:
     cp_a2a   forward  q, k, v in, out back   (a-1)/a * b * (2 h_q + 2 h_kv) * s_l * d * elem
              backward the adjoints           the same again
     cp_ring  forward  (R-1) blocks of 2 b (h_kv/a) (a s_l) d = 2 b h_kv s_l d elements
-             backward (R-1) blocks again, and R running dK, dV blocks in float32
+             backward (R-1) blocks again, and R-1 running dK, dV blocks, in the same dtype
 
 So the ring's block is the flat ring's (a times longer, a times narrower) but only R-1 hops
 of it: the all-to-all takes the fast links inside a node, the ring the slow ones across, with
@@ -62,9 +62,9 @@ def hierarchical_attention(q, k, v, groups: tuple[Group, Group], causal: bool = 
 
 
 def hierarchical_bytes(batch: int, q_heads: int, kv_heads: int, s: int, head_dim: int, a2a: int,
-                       ring: int, element_size: int = 4, grad_element_size: int = 4) -> dict:
+                       ring: int, element_size: int = 4) -> dict:
     """Wire bytes one rank sends per attention call, by sub-group (module docstring)."""
     s_local = s // (a2a * ring)
     swapped = (a2a - 1) * batch * (2 * q_heads + 2 * kv_heads) * s_local * head_dim * element_size // a2a
-    around = ring_bytes(batch, kv_heads // a2a, s, head_dim, ring, element_size, grad_element_size)
+    around = ring_bytes(batch, kv_heads // a2a, s, head_dim, ring, element_size)
     return {"cp_a2a": {"forward": swapped, "backward": swapped}, "cp_ring": around}

@@ -9,14 +9,15 @@ After cp steps every query has seen every key, and each rank sent cp-1 blocks:
     forward bytes per rank = (cp - 1) * 2 * b * h_kv * (s/cp) * d * element size
 
 Backward sends the same blocks around once more, and with them the gradients dK, dV of the
-block's owner: at step t a rank adds its share for the block it holds to the running dK, dV
-that arrived from rank r-1 (the shares of ranks r-t .. r-1) and passes them on; one last hop
-brings them home to their owner. dQ never moves: every block's share of it is computed where
-the queries live. The running dK, dV travel in float32 (float64 for float64 inputs), so a
-16-bit run rounds once, at home:
+block's owner, Megatron-Core's way (AttnFuncWithCPAndKVP2P): the owner keeps its own share at
+home; at step t >= 1 a rank adds its share for the block it holds (rank r-t's) to the running
+dK, dV that arrived from rank r-1 (the shares of ranks r-t+1 .. r-1) and passes them on, so the
+sum of every other rank's share reaches the owner after cp-1 hops and is added to its own. dQ
+never moves: every block's share of it is computed where the queries live. The running dK, dV
+travel in the activations' dtype, as K and V do (each hop of a 16-bit run rounds the sum once):
 
     backward bytes per rank = (cp - 1) * 2 * b * h_kv * (s/cp) * d * element size   (K, V)
-                            +  cp      * 2 * b * h_kv * (s/cp) * d * 4 (or 8)          (dK, dV)
+                            + (cp - 1) * 2 * b * h_kv * (s/cp) * d * element size   (dK, dV)
 
 The messages go through comm_async.exchange (comm.exchange without the wait, counted the same
 way by minitron.runtime.comm), so tests compare the bytes with these formulas.
@@ -107,6 +108,7 @@ class RingAttention(torch.autograd.Function):
         delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1)   # rowsum(dO * O), global
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()
+        own = None        # this rank's share of its own block's dK, dV: it never leaves
         dkv = None        # the running dK, dV of the block we hold (its owner's, on its way home)
         for step in range(cp):
             src = (setup.rank - step) % cp
@@ -114,7 +116,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 kv_next = torch.empty_like(kv)
                 ops += [P2P("send", kv, setup.next), P2P("recv", kv_next, setup.prev)]
-            if step > 0:   # pass on last step's running sum; receive the one for this block
+            if step > 1:   # pass on last step's running sum; receive the one for this block
                 dkv_in = torch.empty_like(dkv)
                 ops += [P2P("send", dkv, setup.next), P2P("recv", dkv_in, setup.prev)]
             posted = comm_async.exchange(ops, group) if ops else None
@@ -122,15 +124,18 @@ class RingAttention(torch.autograd.Function):
             setup.attend_backward(src, do, q, kv, out, lse, delta, dq, share)
             if posted is not None:
                 posted.wait()
-            dkv = share if dkv_in is None else dkv_in + share
+            if step == 0:
+                own = share
+            else:          # sent on in the activations' dtype, as K and V are
+                dkv = (share if dkv_in is None else dkv_in.to(lse.dtype) + share).to(k.dtype)
             if kv_next is not None:
                 kv = kv_next
-        if cp > 1:        # the last hop: every rank's dK, dV arrive home
+        if cp > 1:        # the last hop: the other ranks' shares arrive home
             home = torch.empty_like(dkv)
             ops = [P2P("send", dkv, setup.next), P2P("recv", home, setup.prev)]
             comm_async.exchange(ops, group).wait()
-            dkv = home
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+            own = own + home.to(lse.dtype)
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
 
 
 def ring_attention(q, k, v, group: Group, causal: bool = True, layout: str = "zigzag",
@@ -142,9 +147,10 @@ def ring_attention(q, k, v, group: Group, causal: bool = True, layout: str = "zi
     return RingAttention.apply(q, k, v, setup)
 
 
-def ring_bytes(batch: int, kv_heads: int, s: int, head_dim: int, cp: int, element_size: int = 4,
-               grad_element_size: int = 4) -> dict[str, int]:
-    """The bytes one rank sends through the ring per attention call (see the docstring)."""
+def ring_bytes(batch: int, kv_heads: int, s: int, head_dim: int, cp: int,
+               element_size: int = 4) -> dict[str, int]:
+    """The bytes one rank sends through the ring per attention call (see the docstring): K, V
+    and, backward, the running dK, dV, each cp - 1 blocks in the activations' dtype."""
     block = 2 * batch * kv_heads * (s // cp) * head_dim
     return {"forward": (cp - 1) * block * element_size,
-            "backward": (cp - 1) * block * element_size + (cp if cp > 1 else 0) * block * grad_element_size}
+            "backward": 2 * (cp - 1) * block * element_size}
