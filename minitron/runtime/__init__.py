@@ -1,7 +1,8 @@
 """How ranks start, talk and fail: what every dimension is built on.
 
 launch.py       launch(fn, world_size=N): forked ranks (scripts, pytest, notebooks) or torchrun's
-process_group.py  which backend, how a rank joins its group, the run under torchrun
+process_group.py  which backend, how a rank joins its group (forked ranks: at a store their parent
+                  serves, on a port its own bind chose), the run under torchrun
 pool.py         WorkerPool: ranks kept alive across launches (many small jobs: the tests)
 deadline.py     the watchdog that tells a hang from a long computation
 rank_output.py  what ranks print, echoed in rank order; their stderr kept for a failure
