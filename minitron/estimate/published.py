@@ -25,6 +25,16 @@ fitted: every constant of the time model is a data sheet or a microbenchmark
       checkpointed, DGX-2H V100s (16 per node); efficiency = per-GPU throughput over the 1.2B
       model's on one GPU (39 TFLOP/s, 30% of peak, §5.1).
 All: s = 2048 (Shoeybi: 1024), V = 51200, tied embeddings, A100 80 GB in DGX nodes of 8 (Selene).
+
+Out of sample (added after the model was built, not used to build it): Dubey et al. 2024, "The
+Llama 3 Herd of Models", Table 4: Llama 3 405B on 8192 and 16384 H100s at 8192 tokens (TP 8,
+CP 1, PP 16, DP 64 / 128, 16M tokens per batch -> BF16 MFU). Meta's own stack is not Megatron;
+the nearest named setting is megatron-core, with the one-layer-lighter first and last stage of
+§3.3.2 and no recomputation (the paper states none). Approximations the planner forces: no
+interleaving beside uneven stages (Llama 3 interleaved), ZeRO-1 for its FSDP-style sharding of
+gradients and optimizer state, and MFU with the attention core counted without the causal
+discount (the paper does not say how it counts; at 8K tokens the core is ~8% of the FLOPs). Its
+131K-token row is left out: there the counting convention alone changes the MFU by a third.
 """
 from __future__ import annotations
 
@@ -51,6 +61,9 @@ KORTHIKANTI_TABLE5 = [  # name, heads, hidden, layers, tp, pp, gpus, batch, seco
 # (layers / pp / --num-layers-per-virtual-pipeline-stage; 1 when the script sets none)
 NARAYANAN_SCRIPT = {"1.7B": (16, 1), "3.6B": (16, 1), "7.5B": (16, 1), "18.4B": (8, 1), "39.1B": (4, 1),
                     "76.1B": (2, 3), "145.6B": (2, 2), "310.1B": (1, 2), "529.6B": (1, 3), "1008B": (1, 1)}
+DUBEY_TABLE4 = [  # GPUs, TP, CP, PP, DP, sequence, sequences per DP rank, BF16 MFU
+    (8192, 8, 1, 16, 64, 8192, 32, 0.43), (16384, 8, 1, 16, 128, 8192, 16, 0.41),
+]
 NARAYANAN_TABLE2_175B_GPUS = (384, 768, 1536)   # Table 2: 175B at t8 x p12, batch 1536 (not held: its
 #                                                 figures compare with ZeRO-3, not a split of ours)
 NARAYANAN_TEXT = ("175B on 1024 GPUs", 96, 12288, 96, 1024, 1536, 140)   # §5.1, no split given
@@ -132,12 +145,24 @@ def shoeybi(gpus: dict = GPUS) -> list[Row]:
     return rows
 
 
+def dubey(gpus: dict = GPUS) -> list[Row]:
+    """Llama 3 405B at Table 4's splits (out of sample: see the module docstring)."""
+    from .shape import MODERN
+    cfg, cluster, rows = MODERN["llama3-405b"], Cluster(gpus["h100"], 8), []
+    for n, tp, cp, pp, dp, seq, per_dp, mfu in DUBEY_TABLE4:
+        par = Parallel(tp=tp, sp=True, pp=pp, cp=cp, dp=dp, trim=1, recompute="none", zero=1)
+        bd = step_time(cfg, par, cluster, per_dp * dp, seq, software="megatron-core")
+        rows.append(Row(f"405B on {n} H100s", mfu, bd.mfu, "BF16 MFU"))
+    return rows
+
+
 def all_rows(gpus: dict = GPUS) -> dict[str, list[Row]]:
     """Every published point the planner is held to, by source."""
     return {"Narayanan et al. 2021, Table 1 (megatron-2021)": narayanan(gpus),
             "Narayanan et al. 2021, §5.1 text (megatron-2021, the planner's split)": [narayanan_text(gpus)],
             "Korthikanti et al. 2022, Table 5 (megatron-2022)": korthikanti(gpus),
-            "Shoeybi et al. 2019, Figure 5 (megatron-2019)": shoeybi(gpus)}
+            "Shoeybi et al. 2019, Figure 5 (megatron-2019)": shoeybi(gpus),
+            "Dubey et al. 2024, Table 4, out of sample (megatron-core, nearest)": dubey(gpus)}
 
 
 EFFICIENCIES = ("matmul_eff", "hbm_eff", "nvlink_eff", "net_eff")
