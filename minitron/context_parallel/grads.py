@@ -18,8 +18,10 @@ from ..runtime.comm import Group
 
 def average_grads_over_cp(module: nn.Module, group: Group) -> None:
     """Average every gradient over the cp group in place, in one all-reduce."""
+    if group.size == 1:                  # nothing to average (and no walk over the parameters)
+        return
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if group.size == 1 or not grads:
+    if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, group)

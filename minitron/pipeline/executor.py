@@ -97,7 +97,8 @@ class _Run:
         self.logits, self.input_grads = [None] * m, [None] * m
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.memory = ActivationMemory([*model.parameters(), tokens, targets])
+        # only a tracked run walks the parameters for it (off: peak_* stay 0)
+        self.memory = ActivationMemory([*model.parameters(), tokens, targets] if track_memory else [])
         self.track_memory = track_memory
         self.events: list[Event] = []
 

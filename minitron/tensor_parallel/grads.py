@@ -33,8 +33,10 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
     The gradients are flattened into one buffer so the fix-up costs one all-reduce, not one
     per norm (many tiny messages would each pay the latency).
     """
+    if group.size == 1:                  # nothing to sum (and no walk over the parameters)
+        return
     grads = [p.grad for p in sequence_parallel_params(module) if p.grad is not None]
-    if group.size == 1 or not grads:
+    if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, group)
