@@ -21,9 +21,8 @@ import triton.language as tl
 from .common import alloc
 from .rmsnorm import rows_view
 
-SQRT_2_OVER_PI = 0.7978845608028654
-INV_SQRT_2 = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
+# The kernels write their constants out (a jitted kernel reads no plain Python global):
+# 0.7978845608028654 = sqrt(2/pi), 0.7071067811865476 = 1/sqrt(2), 0.3989422804014327 = 1/sqrt(2 pi).
 
 
 @triton.jit
