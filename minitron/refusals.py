@@ -30,9 +30,6 @@ from typing import Callable
 
 LEVELS = ("model", "engine", "verify")
 SIXTEEN_BIT = ("bfloat16", "float16")
-# The schedules whose B/W split defers dL/dW (pipeline/schedules.py; tests/test_refusals.py
-# checks this against each schedule's actions).
-DEFERS_DW = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
 V_SHAPED = ("zb-v", "dualpipev")      # the first and the last stage on one rank (pipeline/schedules.py)
 
 
@@ -221,12 +218,6 @@ TABLE: tuple[Refusal, ...] = (
          "the expert GEMMs are not FP8 GEMMs yet (moe/experts.py runs them in bf16), and a bf16 "
          "router's top-k flips on rounding differences",
          [{"dtype": "bfloat16"}, {"dtype": "float32"}], "--tp 1 --ep 2 --experts 4 --dtype fp8"),
-    _row("fp8-deferred-dw", "engine", ("dtype", "schedule"),
-         lambda o: o.fp8 and o.schedule in DEFERS_DW,
-         "the schedule defers dL/dW (tensor_parallel/weight_grad.py), and the FP8 GEMMs keep no "
-         "deferred weight gradient yet",
-         [{"schedule": "1f1b"}, {"schedule": "interleaved"}, {"dtype": "bfloat16"}],
-         "--tp 1 --pp 2 --schedule zb-h1 --microbatches 4 --dtype fp8"),
     _row("fp8-delayed-recompute-full", "engine", ("fp8_recipe", "recompute"),
          lambda o: o.fp8 and o.fp8_recipe == "delayed" and o.recompute == "full",
          "full recomputation reruns every layer's forward, which would record each amax twice and "

@@ -90,11 +90,12 @@ def test_the_readme_lists_the_table():
     assert refusals.with_table(readme) == readme, "run: python -m minitron.refusals --readme README.md"
 
 
-def test_defers_dw_names_exactly_the_schedules_with_deferred_weight_gradients():
-    deferring = {name for name in SCHEDULES
-                 if any(a.kind == "W" for acts in make_schedule(name, 2, 4).actions.values()
-                        for a in acts)}
-    assert deferring == set(refusals.DEFERS_DW)
+def test_v_shaped_names_the_schedules_with_the_first_and_last_stage_on_one_rank():
+    from minitron.pipeline.schedules import V_SHAPED
+    assert set(refusals.V_SHAPED) == set(V_SHAPED)
+    for name in SCHEDULES:
+        placement = make_schedule(name, 2, 4).stage_rank
+        assert (placement[0] == placement[-1]) == (name in refusals.V_SHAPED), name
 
 
 def test_the_engine_refuses_from_the_table_naming_fields_from_python():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from . import weight_grad
 from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
 from .layers import ColumnParallelLinear, RowParallelLinear
 
@@ -85,6 +86,7 @@ class _FP8Linear(torch.autograd.Function):
         y = scaled_matmul(q_x, s_x, q_w.t(), s_w, x.dtype).reshape(*x.shape[:-1], -1)
         ctx.save_for_backward(q_x, q_w, s_x, s_w)
         ctx.state, ctx.has_bias, ctx.dtypes = state, bias is not None, (x.dtype, weight.dtype)
+        ctx.params = (weight, bias) if weight_grad.STORE.capturing else None   # may defer dL/dW
         return y + bias if bias is not None else y
 
     @staticmethod
@@ -95,9 +97,13 @@ class _FP8Linear(torch.autograd.Function):
         s_g = ctx.state.grad.scale_for(g)
         q_g = quantize(g, s_g, E5M2)
         dx = scaled_matmul(q_g, s_g, q_w, s_w, x_dtype).reshape(*dy.shape[:-1], -1)
-        dw = scaled_matmul(q_g.t(), s_g, q_x, s_x, w_dtype)
-        db = g.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None
+
+        def weight_grads():      # the W of a zero-bubble schedule: the same FP8 GEMM, later
+            return scaled_matmul(q_g.t(), s_g, q_x, s_x, w_dtype), g.sum(0) if ctx.has_bias else None
+        if ctx.params is not None and weight_grad.defer(ctx.params, weight_grads,
+                                                        q_g.numel() * q_g.element_size()):
+            return dx, None, None, None
+        return (dx, *weight_grads(), None)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

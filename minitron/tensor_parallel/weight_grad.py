@@ -110,6 +110,25 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         hook(param)
 
 
+def defer(params: tuple, compute: Callable[[], tuple], nbytes: int) -> bool:
+    """Inside `deferring`, queue compute() -> the gradients of `params` (None: that one has none)
+    under the current key and return True; outside it return False (the caller computes them
+    now). Every deferrable GEMM's backward (DeferrableLinear's, FP8's) goes through here."""
+    if STORE.key is None:
+        return False
+
+    @torch.no_grad()   # W runs outside autograd's backward: build no graph through x
+    def weight_grad():
+        for p, g in zip(params, compute()):
+            if p is not None:
+                _accumulate(p, g)
+    STORE.put(weight_grad, nbytes)
+    for p in params:
+        if p is not None:
+            STORE.waiting[p] = STORE.waiting.get(p, 0) + 1
+    return True
+
+
 class DeferrableLinear(torch.autograd.Function):
     """y = x W^T (+ b), whose backward computes dL/dW now or queues it (see the module doc)."""
 
@@ -125,19 +144,12 @@ class DeferrableLinear(torch.autograd.Function):
         w_param, b_param = ctx.params
         grad_x = grad_y @ weight
         g2, x2 = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
-        if STORE.key is None:                      # a full backward: both gradients now
-            return grad_x, g2.t() @ x2, None if b_param is None else g2.sum(0)
 
-        @torch.no_grad()   # W runs outside autograd's backward: build no graph through x
-        def weight_grad():
-            _accumulate(w_param, g2.t() @ x2)
-            if b_param is not None:
-                _accumulate(b_param, g2.sum(0))
-        STORE.put(weight_grad, grad_y.numel() * grad_y.element_size())
-        for p in (w_param, b_param):
-            if p is not None:
-                STORE.waiting[p] = STORE.waiting.get(p, 0) + 1
-        return grad_x, None, None
+        def weight_grads():
+            return g2.t() @ x2, None if b_param is None else g2.sum(0)
+        if defer(ctx.params, weight_grads, grad_y.numel() * grad_y.element_size()):
+            return grad_x, None, None
+        return (grad_x, *weight_grads())           # a full backward: both gradients now
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
