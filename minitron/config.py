@@ -11,7 +11,7 @@ import math
 
 CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "swiglu"),
            "position": ("learned", "rope"), "dropout_rng": ("exact", "per_rank"),
-           "recompute": ("none", "selective", "full")}
+           "recompute": ("none", "selective", "full"), "aux_loss_scope": ("global", "replica")}
 
 
 class ConfigError(ValueError):
@@ -141,6 +141,9 @@ class ModelConfig:
     #                                       top-k of the logits, softmax over those k (Megatron's default)
     aux_loss_coeff: float = 0.01          # Switch load-balancing loss, added to the loss
     z_loss_coeff: float = 0.0             # router z-loss (ST-MoE): mean logsumexp(logits)^2
+    aux_loss_scope: str = "global"        # whose tokens the balance loss counts, per micro-batch:
+    #                                       "global" every replica's (dp x ep x cp, Megatron-Core's
+    #                                       global aux loss), "replica" each dp x ep replica's own
     expert_bias: bool = False             # aux-loss-free balancing (DeepSeek-V3): a per-expert
     #                                       bias added to the scores for choosing only
 

@@ -15,10 +15,12 @@ token would be sent, computed and returned tp times over (and counted tp times i
 combine). With SP the tp ranks hold disjoint slices of the sequence: each token is on exactly
 one rank, as the all-to-all assumes. A row of minitron/refusals.py (experts-tp-without-sp).
 
-The auxiliary losses and the statistics are those of the whole batch: the per-expert counts
-are summed over the ranks that hold other tokens (dense_dp, and tp under SP; an all-reduce of E
-integers each), and the layer's loss term is arranged so that the data-parallel mean (and the
-tp sum, through g) of the ranks' terms is the single-device number (router.aux_losses).
+The auxiliary losses and the statistics are those of the whole micro-batch (aux_loss_scope
+"global", the default): the per-expert counts are summed over the ranks that hold other tokens
+(dense_dp, and tp under SP; an all-reduce of E integers each), and the layer's loss term is
+arranged so that the data-parallel mean (and the tp sum, through g) of the ranks' terms is the
+single-device number (router.aux_losses). "replica" sums them over cp (and tp) only: each dp x ep
+replica balances its own tokens, and the objective changes with the layout.
 """
 from __future__ import annotations
 
@@ -68,8 +70,12 @@ class ParallelMoE(nn.Module):
         self.imposed_experts: torch.Tensor | None = None   # [n, k] verify --reference-routing only
 
     def _token_groups(self):
-        """The groups whose ranks hold other tokens of the batch."""
-        return [self.grid.dense_dp] + ([self.grid.tp] if self.sp else [])
+        """The groups whose ranks hold the other tokens the balance loss counts, and how many
+        ranks' loss terms are averaged over them (the first group's size). "global": every
+        token of the micro-batch (dense_dp = dp x ep x cp); "replica": this dp x ep replica's
+        own sequences only (cp), so the loss changes with the number of replicas."""
+        first = self.grid.dense_dp if self.cfg.aux_loss_scope == "global" else self.grid.cp
+        return [first] + ([self.grid.tp] if self.sp else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_local, h = x.shape
@@ -84,9 +90,14 @@ class ParallelMoE(nn.Module):
         seq = s_local * (grid.tp.size if self.sp else 1)
         r = apply_capacity(r, cfg, rows=b, seq=seq, offsets=offsets)
         counts = tokens_per_expert(r, cfg.n_experts)
-        for g in self._token_groups():
+        # Only the counts cross ranks: f_e is not differentiable, and P_e is linear in each
+        # token's probabilities, so each rank's term carries its own tokens' share and the
+        # gradient average over dense_dp (or the tp sum under SP) adds the shares up: no
+        # reduction of probabilities, hence no all-reduce to differentiate through.
+        groups = self._token_groups()
+        for g in groups:
             counts = comm.all_reduce(counts, g)
-        replicas = grid.dense_dp.size
+        replicas = groups[0].size
         tokens = flat.shape[0] * replicas * (grid.tp.size if self.sp else 1)
         aux = aux_losses(r, cfg, counts, tokens, local_share=replicas)
         self.aux_loss = reduce_from_tensor_model_parallel_region(aux, grid.tp) if self.sp else aux

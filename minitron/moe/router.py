@@ -24,8 +24,9 @@ Auxiliary losses, added to the language-model loss:
                          went to e (counted before dropping, not differentiable) and P_e the mean
                          over tokens of softmax(z)_e; it is 1 * coeff when perfectly balanced.
   z-loss (ST-MoE)        coeff * mean over tokens of logsumexp(z)^2: keeps logits small.
-Both are over the whole batch (Megatron's "global" aux loss): f_e uses counts summed over every
-rank that holds other tokens, so a sharded run computes exactly the single-device number.
+Both are over the whole micro-batch by default (Megatron's "global" aux loss): f_e uses counts
+summed over every rank that holds other tokens, so a sharded run computes exactly the number of
+one device given the same micro-batch rows (ModelConfig.aux_loss_scope, moe/layer.py).
 """
 from __future__ import annotations
 

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     m("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
     m("--topk", type=int, default=2, help="experts per token")
     m("--capacity-factor", type=float, default=None, help="default dropless")
+    m("--aux-loss-scope", choices=CHOICES["aux_loss_scope"], default=None,
+      help="whose tokens the balance loss counts in each micro-batch: every replica's (global, "
+           "the default: the curve does not depend on dp x ep) or each dp x ep replica's own")
     o = p.add_argument_group("optimisation").add_argument
     o("--steps", type=int, default=300)
     o("--batch", type=int, default=16, help="sequences per step (global)")
@@ -106,10 +109,12 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "hidden": "--hidden", "n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
          "norm": "--norm", "activation": "--activation", "position": "--position",
          "dropout": "--dropout", "recompute": "--recompute", "n_experts": "--experts", "topk": "--topk",
-         "capacity_factor": "--capacity-factor", "lr": "--lr", "eps": "--eps", "dtype": "--dtype"}
+         "capacity_factor": "--capacity-factor", "aux_loss_scope": "--aux-loss-scope",
+         "lr": "--lr", "eps": "--eps", "dtype": "--dtype"}
 
 _MODEL_FLAGS = {"kv_heads": "n_kv_heads", "norm": "norm", "activation": "activation",
-                "position": "position", "dropout": "dropout", "recompute": "recompute"}
+                "position": "position", "dropout": "dropout", "recompute": "recompute",
+                "aux_loss_scope": "aux_loss_scope"}
 
 
 def model_config(args) -> ModelConfig:
