@@ -50,6 +50,7 @@ class Options:
     dp_shard: int | None = None
     n_experts: int = 0
     capacity_factor: float | None = None
+    aux_loss_scope: str = "global"
     tie_embeddings: bool = False
     recompute: str = "none"
     use_kernels: bool = False
@@ -75,6 +76,7 @@ class Options:
         if mcfg is not None:                  # a ModelConfig, or anything with its fields
             get = lambda name, default: getattr(mcfg, name, default)   # noqa: E731
             o.update(n_experts=get("n_experts", 0), capacity_factor=get("capacity_factor", None),
+                     aux_loss_scope=get("aux_loss_scope", "global"),
                      tie_embeddings=get("tie_embeddings", False), recompute=get("recompute", "none"),
                      use_kernels=get("use_kernels", False),
                      dropout_rng=get("dropout_rng", "exact") if get("dropout", 0) > 0 else "exact")
@@ -174,6 +176,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep",
          "virtual_pp": "--virtual", "sequence_parallel": "--sp",
          "tp_comm_overlap": "--tp-comm-overlap", "cp_variant": "--cp-variant",
          "dp_shard": "--dp-shard", "n_experts": "--experts", "capacity_factor": "--capacity-factor",
+         "aux_loss_scope": "--aux-loss-scope",
          "tie_embeddings": "--tie", "recompute": "--recompute", "use_kernels": "--kernels",
          "dtype": "--dtype", "fp8_recipe": "--fp8-recipe", "zero": "--zero",
          "fp8_amax_unreduced": "--no-fp8-amax-reduce",
@@ -275,6 +278,11 @@ TABLE: tuple[Refusal, ...] = (
          "a capacity factor drops tokens micro-batch by micro-batch, and verify compares the "
          "drops of the whole batch", [{"capacity_factor": None}, {"pp": 1}],
          "--tp 1 --pp 2 --ep 2 --experts 4 --capacity-factor 1.0"),
+    _row("replica-aux-loss-split", "verify", ("aux_loss_scope", "dp", "ep"),
+         lambda o: o.n_experts and o.aux_loss_scope == "replica" and o.dp * o.ep > 1,
+         "each dp x ep replica balances its own tokens, an objective the one device (a single "
+         "replica) does not have", [{"aux_loss_scope": "global"}],
+         "--tp 1 --ep 2 --experts 4 --aux-loss-scope replica"),
 )
 BY_NAME = {r.name: r for r in TABLE}
 

@@ -78,7 +78,8 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "position": "--position", "dropout": "--dropout", "recompute": "--recompute",
          "n_experts": "--experts", "topk": "--topk", "moe_every": "--moe-every",
          "capacity_factor": "--capacity-factor", "router_pre_softmax": "--pre-softmax",
-         "aux_loss_coeff": "--aux-loss", "z_loss_coeff": "--z-loss", "lr": "--lr", "eps": "--eps",
+         "aux_loss_coeff": "--aux-loss", "aux_loss_scope": "--aux-loss-scope", "z_loss_coeff": "--z-loss",
+         "lr": "--lr", "eps": "--eps",
          "dtype": "--dtype", "expert_tp": "--expert-tp", "expert_layout": "--expert-layout"}
 
 
@@ -177,6 +178,9 @@ def _parser() -> argparse.ArgumentParser:
                         "default dropless")
     e.add_argument("--pre-softmax", action="store_true", help="softmax over all experts, then top-k")
     e.add_argument("--aux-loss", type=float, default=0.01, help="Switch load-balancing coefficient")
+    e.add_argument("--aux-loss-scope", choices=CHOICES["aux_loss_scope"], default="global",
+                   help="whose tokens the balance loss counts: every replica's (global) or each "
+                        "dp x ep replica's own (replica: not comparable beyond one replica)")
     e.add_argument("--reference-routing", action="store_true",
                    help="the split model's routers take the reference's (token, expert) choices, "
                         "so a rounding flip of a top-k (16-bit) does not end the comparison; "
@@ -223,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                            use_kernels=args.kernels, recompute=args.recompute,
                            n_experts=args.experts, topk=args.topk, moe_every=args.moe_every,
                            capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
-                           aux_loss_coeff=args.aux_loss, z_loss_coeff=args.z_loss)
+                           aux_loss_coeff=args.aux_loss, aux_loss_scope=args.aux_loss_scope,
+                           z_loss_coeff=args.z_loss)
         validate_model(pcfg, mcfg)
         dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe, args.fp8_amax_reduce)
         Plant(args.plant).check_fp8(fp8)
