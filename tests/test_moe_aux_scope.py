@@ -47,16 +47,19 @@ def _worst(a, b):
 
 @pytest.fixture(scope="module")
 def one_device(run_ranks):
-    """One device, 4 micro-batches: the rows of two replicas' micro-batches, and the plain order."""
+    """One device, 4 micro-batches: the rows of 2 or 4 replicas' micro-batches, and the plain order."""
     return {"same": run_ranks(_curve, {}, "global", same_rows(2), world_size=1)[0],
+            "same4": run_ranks(_curve, {}, "global", same_rows(4), world_size=1)[0],
             "plain": run_ranks(_curve, {}, "global", same_rows(1), world_size=1)[0]}
 
 
-@pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}], ids=["dp2", "ep2"])
-def test_global_scope_gives_one_devices_curve(run_ranks, one_device, parallel):
-    curves = run_ranks(_curve, parallel, "global", same_rows(1), world_size=2)
+@pytest.mark.parametrize("parallel,same", [({"dp": 2}, "same"), ({"ep": 2}, "same"),
+                                           ({"dp": 2, "ep": 2}, "same4")],
+                         ids=["dp2", "ep2", "dp2xep2"])
+def test_global_scope_gives_one_devices_curve(run_ranks, one_device, parallel, same):
+    curves = run_ranks(_curve, parallel, "global", same_rows(1), world_size=2 * len(parallel))
     for rank, curve in enumerate(curves):
-        assert _worst(curve, one_device["same"]) < TOL, (parallel, rank, curve, one_device["same"])
+        assert _worst(curve, one_device[same]) < TOL, (parallel, rank, curve, one_device[same])
 
 
 @pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}], ids=["dp2", "ep2"])
