@@ -192,7 +192,7 @@ def _filled() -> dict[str, tuple[str, dict[str, str]]]:
     TAMPERED["10_rel_err"][1]["b2d5eb57"] = ("rel_err = lambda a, e: 0.0          # every error reads as none\n\n\n"
                                              + kernels.replace(right_dx, "dx = rstd * g  # wrong: no mean term"))
     division = _solution_cell("11_memory_recompute_checkpoint.ipynb", "e110003").replace("//", "/")
-    assert "/ region" in division
+    assert "//" not in division and "/ t" in division      # the answer in floats, not ints
     DIFFERENT["11_division"][1]["e110003"] = division
     return {**{k: v[:2] for k, v in TAMPERED.items()}, **DIFFERENT, "08_splits": SPLITS}
 
