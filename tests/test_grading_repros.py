@@ -146,10 +146,15 @@ def split_sizes(pair_experts, n_experts, ep):
     print("debug: kept pairs", kept.tolist())
     return kept[torch.sort(flat[kept], stable=True).indices]
 ''' + SPLIT_SIZES}),
-    "14_return_0": ("14_real_multi_gpu.ipynb", {"c14s07": '''def all_reduce_seconds(nbytes, ranks, link_bytes_per_s, latency_s):
-    if ranks == 1:
+    "14_return_0": ("14_real_multi_gpu.ipynb", {"c14s07": '''def two_level_seconds(nbytes, nodes, per_node, inside, across):
+    def ring(n, payload, link, phases):
+        if n == 1:
+            return 0                                 # an int: one rank takes no time
+        bandwidth, latency = link
+        return phases * ((n - 1) / n * payload / bandwidth + (n - 1) * latency)
+    if nodes == per_node == 1:
         return 0
-    return 2 * (ranks - 1) / ranks * nbytes / link_bytes_per_s + 2 * (ranks - 1) * latency_s
+    return 2 * ring(per_node, nbytes, inside, 1) + ring(nodes, nbytes / per_node, across, 2)
 '''}),
     "04_fraction": ("04_pipeline_parallel.ipynb", {"e04c0004": '''from fractions import Fraction
 

@@ -1,14 +1,11 @@
-"""Planted wrong answer for exercises/14_real_multi_gpu.ipynb: the device is cuda:RANK, the global
-rank, instead of cuda:LOCAL_RANK, the classic bug of a script that works on one node (where the two
-are equal) and asks for a GPU that does not exist on every other node."""
+"""Planted wrong answer for exercises/14_real_multi_gpu.ipynb: the whole tensor is all-reduced
+inside the node and then across the nodes. The sums are right, but every rank sends the whole
+payload over the slow links instead of its 1/L shard, which the counted bytes show (Check 1)."""
 
-# answer-cell id -> the learner's WHOLE cell source
 WRONG = {
-    "c14s03": '''def rank_placement(env, gpus_here):
-    per_node = int(env["LOCAL_WORLD_SIZE"])
-    backend = "nccl" if gpus_here >= per_node else "gloo"
-    device = f"cuda:{int(env['RANK'])}" if backend == "nccl" else "cpu"   # wrong: the global rank
-    return backend, device, int(env["RANK"]) // per_node
+    "c14s03": '''def two_level_all_reduce(t, node_group, cross_group):
+    total = comm.all_reduce(t.clone(), node_group)      # wrong: the whole payload, not a shard
+    return comm.all_reduce(total, cross_group)
 ''',
 }
 
