@@ -221,12 +221,6 @@ TABLE: tuple[Refusal, ...] = (
          "the expert GEMMs are not FP8 GEMMs yet (moe/experts.py runs them in bf16), and a bf16 "
          "router's top-k flips on rounding differences",
          [{"dtype": "bfloat16"}, {"dtype": "float32"}], "--tp 1 --ep 2 --experts 4 --dtype fp8"),
-    _row("fp8-delayed-recompute-full", "engine", ("fp8_recipe", "recompute"),
-         lambda o: o.fp8 and o.fp8_recipe == "delayed" and o.recompute == "full",
-         "full recomputation reruns every layer's forward, which would record each amax twice and "
-         "cast the rerun with a newer scale than the first forward",
-         [{"recompute": "selective"}, {"recompute": "none"}, {"fp8_recipe": "current"}],
-         "--tp 1 --dtype fp8 --fp8-recipe delayed --recompute full"),
     _row("fp8-tp-comm-overlap", "engine", ("dtype", "tp_comm_overlap"),
          lambda o: o.fp8 and o.tp_comm_overlap,
          "the ring's chunked GEMMs (tensor_parallel/overlap.py) are not FP8 GEMMs yet",

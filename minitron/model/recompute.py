@@ -28,6 +28,10 @@ leaves no trace on the RNG.
 Collectives inside fn (TP's all-gathers under SP, the all-reduces) run again in backward, on
 every rank of the group at the same point, so they stay matched.
 
+FP8 scales. The rerun casts with the scales the first forward used, replayed from a ScaleTape
+(tensor_parallel/fp8_linear.py), as Transformer Engine does: a delayed-scaling history records
+each use's amax once, and the recomputed activations are bitwise the first forward's.
+
 Limits (those of Megatron's reentrant checkpoint too): backward reaches fn only through the
 saved tensors, so at least one of them must require grad (a block's input always does: it
 comes from the trainable embedding or a pipeline receive); and fn reruns under the autocast
@@ -38,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from ..config import CHOICES
+from ..tensor_parallel.fp8_linear import ScaleTape
 from ..tensor_parallel.random import DropoutRNG
 
 
@@ -61,7 +66,8 @@ class _Checkpoint(torch.autograd.Function):
         ctx.fn, ctx.rng, ctx.site = fn, rng, rng_site(rng)
         tensors, ctx.others = args[:n_tensors], args[n_tensors:]
         ctx.save_for_backward(*tensors)
-        with torch.no_grad():
+        ctx.tape = ScaleTape()                   # FP8: the scales this forward casts with
+        with torch.no_grad(), ctx.tape.recording():
             return fn(*tensors, *ctx.others)
 
     @staticmethod
@@ -70,7 +76,7 @@ class _Checkpoint(torch.autograd.Function):
         now = rng_site(ctx.rng)
         restore_rng_site(ctx.rng, ctx.site)      # the forward's masks, drawn again
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), ctx.tape.replay():   # and cast with them again
                 outputs = ctx.fn(*inputs, *ctx.others)
         finally:
             restore_rng_site(ctx.rng, now)       # and the RNG as backward found it

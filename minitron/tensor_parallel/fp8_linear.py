@@ -28,6 +28,8 @@ The master weights and Adam states are the bf16 run's: fp32, in the optimizer.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -77,10 +79,47 @@ def gpu_has_fp8(device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+class ScaleTape:
+    """The scales of one recomputed region's FP8 GEMMs (model/recompute.py), Transformer Engine's
+    way: its first forward records the (input, weight) scales it cast with; the rerun in backward
+    replays them, so the rerun casts exactly as the first forward did and records no amax twice
+    (a delayed-scaling history stays one entry per use)."""
+    active: "ScaleTape | None" = None
+
+    def __init__(self):
+        self.scales: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.replaying: int | None = None
+
+    def scales_for(self, x, weight, state: FP8State):
+        if self.replaying is not None:
+            self.replaying += 1
+            return self.scales[self.replaying - 1]
+        pair = state.input.scale_for(x).clone(), state.weight.scale_for(weight).clone()
+        self.scales.append(pair)
+        return pair
+
+    @contextlib.contextmanager
+    def recording(self):
+        yield from self._as_active(None)
+
+    @contextlib.contextmanager
+    def replay(self):
+        yield from self._as_active(0)
+
+    def _as_active(self, replaying):
+        before, ScaleTape.active, self.replaying = ScaleTape.active, self, replaying
+        try:
+            yield self
+        finally:
+            ScaleTape.active, self.replaying = before, None
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state: FP8State):
-        s_x, s_w = state.input.scale_for(x), state.weight.scale_for(weight)
+        tape = ScaleTape.active
+        s_x, s_w = tape.scales_for(x, weight, state) if tape is not None else \
+            (state.input.scale_for(x), state.weight.scale_for(weight))
         q_x = quantize(x, s_x, E4M3).reshape(-1, x.shape[-1])       # [tokens, in]
         q_w = quantize(weight, s_w, E4M3)                           # [out, in]
         y = scaled_matmul(q_x, s_x, q_w.t(), s_w, x.dtype).reshape(*x.shape[:-1], -1)
@@ -156,5 +195,5 @@ def load_fp8_state_dict(model: nn.Module, state: dict) -> None:
         s.load_state_dict(state[name])
 
 
-__all__ = ["FP8State", "KEEP_BF16", "SCALERS", "scaled_matmul", "gpu_has_fp8", "fp8_linear",
+__all__ = ["FP8State", "ScaleTape", "KEEP_BF16", "SCALERS", "scaled_matmul", "gpu_has_fp8", "fp8_linear",
            "enable_fp8", "fp8_states", "named_fp8_states", "fp8_state_dict", "load_fp8_state_dict"]
