@@ -19,7 +19,6 @@ import datetime
 import io
 import os
 import pickle
-import socket
 import sys
 from typing import Any
 
@@ -106,15 +105,6 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float,
         options["store"] = dist.PrefixStore(f"attempt{attempt}/", store)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=comm.TIMEOUT,
                             **options)
-
-
-def free_port() -> int:
-    """A port that was free a moment ago. Another process may take it before it is bound
-    again, so minitron's own rendezvous never uses it (rendezvous_store binds as it chooses);
-    kept only for lesson 14's torchrun nodes until they meet at a rendezvous_store."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def under_torchrun() -> bool:
