@@ -80,7 +80,6 @@ def test_data_parallel_plants_fail(run_ranks, name, plant, caught):
 @pytest.mark.parametrize("argv, message", [
     (["--dp", "2", "--batch", "3"], "cannot be cut into dp=2 replicas"),
     (["--dp", "2", "--dtype", "float64"], "steps float32 master weights"),
-    (["--dp", "2", "--zero", "3", "--pp", "2", "--tie"], "drop --tie"),   # ZeRO-3 in stages: untied only
     (["--dtype", "float16", "--pp", "2"], "use bfloat16 with a pipeline"),
 ])
 def test_bad_data_parallel_options_exit_2(capsys, argv, message):
