@@ -80,7 +80,7 @@ def test_data_parallel_plants_fail(run_ranks, name, plant, caught):
 @pytest.mark.parametrize("argv, message", [
     (["--dp", "2", "--batch", "3"], "cannot be cut into dp=2 replicas"),
     (["--dp", "2", "--dtype", "float64"], "steps float32 master weights"),
-    (["--dtype", "float16", "--pp", "2"], "use bfloat16 with a pipeline"),
+    (["--dtype", "float16", "--pp", "2"], "use --dtype bfloat16 or --pp 1"),
 ])
 def test_bad_data_parallel_options_exit_2(capsys, argv, message):
     assert verify_cli.main(["--tp", "1", *argv]) == 2
