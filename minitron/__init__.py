@@ -9,7 +9,7 @@ around a loop (tests/test_layering.py reads the floors from these lines):
   floor 2  model pipeline.measure
   floor 3  estimate
   floor 4  train
-  floor 5  verify grade bench flops memory plan pipeline.__main__
+  floor 5  verify grade bench pipeline.__main__
 
 What each floor holds:
   0  how ranks start and talk (runtime/), the grid of process groups, the two configs
@@ -22,10 +22,11 @@ What each floor holds:
      They take a model as an argument and call it; none imports the model.
   2  the GPT: one device, split over a grid (ParallelGPT), cut into pipeline stages
      (PipelineGPT, model/stages.py); pipeline/measure.py times a schedule on it.
-  3  estimates from a model's shape: memory, FLOPs, step time, the planner.
+  3  estimates from a model's shape: memory, FLOPs, step time, the planner, and their
+     command line (python -m minitron.estimate plan / memory / flops).
   4  a training run: its engine, checkpoints, restarts, the command line.
-  5  what checks, grades or measures the rest, and the command lines over the estimates
-     (python -m minitron.flops / memory / plan / pipeline).
+  5  what checks, grades or measures the rest, and the pipeline's command line
+     (python -m minitron.pipeline).
 """
 from .runtime.comm import CommCounter, Group
 from .grid import Grid, ParallelConfig, build_grid, pad_vocab_size

@@ -1,13 +1,13 @@
-"""minitron.flops against Narayanan et al. (2021)'s formulas and figures, and against the
-FLOPs torch itself counts (torch.utils.flop_counter) on a small model."""
+"""estimate/flops.py and python -m minitron.estimate flops against Narayanan et al. (2021)'s
+formulas and figures, and against the FLOPs torch itself counts (torch.utils.flop_counter) on a
+small model."""
 import re
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitron import flops as flops_cli
-from minitron.estimate import flops
+from minitron.estimate import flops, flops_cli
 from minitron.estimate.memory import PRESETS, rank_params
 from minitron.config import ModelConfig
 from minitron.model.reference import GPT

@@ -1,5 +1,6 @@
-"""minitron.memory: per-rank bytes against published figures (the ZeRO paper, Korthikanti et al.
-2022, GPT-2's parameter count) and against what a small ParallelGPT really holds."""
+"""estimate/memory.py and python -m minitron.estimate memory: per-rank bytes against published
+figures (the ZeRO paper, Korthikanti et al. 2022, GPT-2's parameter count) and against what a
+small ParallelGPT really holds."""
 import dataclasses
 import re
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from minitron.data_parallel.memory import formula_bytes
 from minitron.grid import ParallelConfig, build_grid
 from minitron.estimate.memory import PRESETS, Setup, estimate, rank_params
-from minitron.memory import main
+from minitron.estimate.memory_cli import main
 from minitron.estimate.activations import PAPER, layer_bytes
 from minitron.config import ModelConfig
 from minitron.model.parallel import ParallelGPT

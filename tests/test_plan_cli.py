@@ -1,9 +1,13 @@
-"""python -m minitron.plan on the presets and the issue's flags; bad flags; the memory estimator's
-experts under ep; the closed-form schedule peaks the planner uses, against the simulation."""
+"""python -m minitron.estimate plan on the presets and the issue's flags; bad flags; the memory
+estimator's experts under ep; the closed-form schedule peaks the planner uses, against the
+simulation."""
 import dataclasses
+import subprocess
+import sys
 
 import pytest
-from minitron import plan as plan_cli
+
+from minitron.estimate import cli, plan_cli
 from minitron.estimate.memory import Setup, _schedule_peak, closed_form_peak, estimate, rank_params_split
 from minitron.config import ModelConfig
 from minitron.model.convert import reference_shapes
@@ -18,6 +22,18 @@ def test_presets_print_the_best_and_why_the_others_lost(argv, capsys):
     out = capsys.readouterr().out
     assert "TFLOP/s" in out and "MFU" in out and "tokens/s" in out
     assert "why the others lost" in out and "all losers by reason" in out
+
+
+def test_one_command_dispatches_to_each_estimator(capsys):
+    assert cli.main([]) == 2 and cli.main(["plans"]) == 2
+    assert "usage: python -m minitron.estimate {plan,memory,flops}" in capsys.readouterr().err
+    assert cli.main(["flops", "--model", "1t", "--batch", "3072"]) == 0
+    assert "FLOPs per iteration" in capsys.readouterr().out
+    assert cli.main(["memory", "--model", "gpt2-small"]) == 0
+    assert "optimizer state" in capsys.readouterr().out
+    run = subprocess.run([sys.executable, "-m", "minitron.estimate", "plan", "--model", "gpt2-small",
+                          "--gpus", "8", "--top", "1"], capture_output=True, text=True)
+    assert run.returncode == 0 and "configurations" in run.stdout, run.stderr
 
 
 def test_explain_prints_every_term_of_one_configuration(capsys):

@@ -8,7 +8,7 @@ Each row: median step time of the timed steps after the warm-up ones (synchronis
 kernels, not their launch), tokens/s, and MFU against the GPU's peak (minitron/hardware.py) for
 the model FLOPs of a step (6 x params x tokens plus attention, estimate.flops.iteration_flops),
 and beside it the planner's prediction for the same step on that GPU (planner_step_s: the time
-model of minitron.plan, estimate/time_model.py, on its data-sheet description of the GPU).
+model of python -m minitron.estimate plan, estimate/time_model.py, on the GPU's data sheet).
 The rank is a minitron.launch rank of world size 1, on cuda:0 under NCCL where there is a GPU.
 --smoke: a tiny model, any device, to check the code path (its timings mean nothing).
 """

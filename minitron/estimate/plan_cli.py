@@ -1,11 +1,11 @@
-"""python -m minitron.plan: which split of a model over a cluster, and how fast.
+"""python -m minitron.estimate plan: which split of a model over a cluster, and how fast.
 
 The planner is minitron/estimate/plan.py (what it enumerates and how it ranks), the step-time
 model minitron/estimate/time_model.py (every term), the GPUs minitron/hardware.py;
 this is their command line. Examples:
 
-    python -m minitron.plan --model gpt3-175b --gpus 1024 --gpu a100 --global-batch 1536
-    python -m minitron.plan --model 1t --gpus 3072 --gpu h100 --global-batch 3072 \\
+    python -m minitron.estimate plan --model gpt3-175b --gpus 1024 --gpu a100 --global-batch 1536
+    python -m minitron.estimate plan --model 1t --gpus 3072 --gpu h100 --global-batch 3072 \\
         --explain tp=8,pp=64,dp=6,mb=1,recompute=full
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import argparse
 import dataclasses
 import sys
 
-from .hardware import GIB, GPUS, gpu as named_gpu
-from .estimate.memory import PRESETS, estimate, preset
-from .estimate.plan import RECOMPUTES, best_per_split, evaluate, memory, plan, zero3_units
-from .estimate.shape import Shape, expert_ffn, shared_experts
-from .estimate.time_model import SOFTWARE, Cluster, Parallel
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..hardware import GIB, GPUS, gpu as named_gpu
+from .memory import PRESETS, preset
+from .plan import RECOMPUTES, best_per_split, evaluate, memory, plan, zero3_units
+from .shape import Shape, expert_ffn, shared_experts
+from .time_model import SOFTWARE, Cluster, Parallel
 
 EXPLAIN_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "v": "virtual",
                 "virtual": "virtual", "mb": "micro_batch", "zero": "zero", "recompute": "recompute",
@@ -29,7 +29,7 @@ GPU_OVERRIDES = {"peak_tflops": ("peak_flops", 1e12), "memory_gib": ("memory_byt
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minitron.plan", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minitron.estimate plan", description=__doc__.split("\n")[0])
     m = p.add_argument_group("model")
     m.add_argument("--model", default="gpt3-175b", help=f"preset: {', '.join(PRESETS)}")
     for opt, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "query heads"),
@@ -220,6 +220,3 @@ def main(argv: list[str] | None = None) -> int:
     print("all losers by reason: " + "; ".join(f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""python -m minitron.memory: where one rank's memory goes in a training step, by component.
+"""python -m minitron.estimate memory: where one rank's memory goes in a training step, by component.
 
 The estimator is minitron/estimate/memory.py (its docstring says what is counted and how);
 this is its command line.
@@ -9,13 +9,13 @@ import argparse
 import dataclasses
 import sys
 
-from .estimate.activations import RECOMPUTE
-from .estimate.memory import DTYPES, PRESETS, ZERO2_SYNC, Setup, preset, rank_params, table
-from .pipeline.schedules import SCHEDULES
+from ..pipeline.schedules import SCHEDULES
+from .activations import RECOMPUTE
+from .memory import DTYPES, PRESETS, ZERO2_SYNC, Setup, preset, rank_params, table
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minitron.memory", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minitron.estimate memory", description=__doc__.split("\n")[0])
     m = p.add_argument_group("model")
     m.add_argument("--model", default="gpt2-small", help=f"preset: {', '.join(PRESETS)}")
     for opt in ("layers", "hidden", "heads", "vocab"):
@@ -62,6 +62,3 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

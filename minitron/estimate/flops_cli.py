@@ -1,20 +1,20 @@
-"""python -m minitron.flops: FLOPs of one training iteration, and tokens/s, MFU and HFU.
+"""python -m minitron.estimate flops: FLOPs of one training iteration, and tokens/s, MFU and HFU.
 
 The counting is minitron/estimate/flops.py (Narayanan et al.'s formula, term by term); this is
-its command line. The named shapes are minitron.memory's presets.
+its command line. The named shapes are estimate/memory.py's presets.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .estimate.activations import RECOMPUTE
-from .estimate.flops import detect_peak, iteration_flops, throughput
-from .estimate.memory import PRESETS, preset
+from .activations import RECOMPUTE
+from .flops import detect_peak, iteration_flops, throughput
+from .memory import PRESETS, preset
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minitron.flops", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minitron.estimate flops", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt3-175b", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--batch", type=int, default=1, help="sequences per iteration (global)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
@@ -45,6 +45,3 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  [peak {peak:.4g} FLOP/s, {where}]" if peak else ""))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
