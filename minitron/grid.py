@@ -274,8 +274,7 @@ class Grid:
 def _build(name: str, all_ranks: list[list[int]], me: int) -> Group:
     mine = None
     for ranks in all_ranks:
-        # new_group must be entered by every rank for every group, in the same order.
-        pg = dist.new_group(ranks, timeout=comm.TIMEOUT) if len(ranks) > 1 else None
+        pg = _process_group(ranks) if len(ranks) > 1 else None
         if me in ranks:
             mine = Group(name, ranks, pg)
     if mine is None and name == "embedding":   # a middle pipeline stage: no embedding to share
@@ -284,13 +283,37 @@ def _build(name: str, all_ranks: list[list[int]], me: int) -> Group:
     return mine
 
 
+# Process groups by their ranks, for the world they were made in. Grids share them: tp's
+# [0, 1] of one config is dp's [0, 1] of another, and one gloo group (threads and sockets of
+# its own) serves both. A rank pool that builds dozens of grids then holds a few groups, not
+# hundreds. Every rank builds the same grids in the same order, so every rank's cache holds
+# the same keys and skips the same new_group calls (which must be entered by all ranks).
+_WORLD: list = [None]
+_GROUPS: dict[tuple[int, ...], object] = {}
+_GRIDS: dict[tuple[ParallelConfig, int], Grid] = {}
+
+
+def _this_world() -> None:
+    """Forget the groups and grids of a destroyed world (after destroy + init they are stale)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is not _WORLD[0]:
+        _WORLD[0] = world
+        _GROUPS.clear()
+        _GRIDS.clear()
+
+
+def _process_group(ranks: list[int]):
+    _this_world()
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, timeout=comm.TIMEOUT)
+    return _GROUPS[key]
+
+
 def _default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-_GRIDS: dict[tuple[ParallelConfig, int], tuple[object, Grid]] = {}
 
 
 def build_grid(config: ParallelConfig) -> Grid:
@@ -298,12 +321,11 @@ def build_grid(config: ParallelConfig) -> Grid:
 
     A cached grid belongs to the world it was built in: after the process group is
     destroyed and initialised again, the groups are built anew."""
-    world = dist.group.WORLD if dist.is_initialized() else None
+    _this_world()
     key = (config, config.gpus_per_node)     # equal configs on other nodes warn differently
-    cached = _GRIDS.get(key)
-    if cached is None or cached[0] is not world:
-        cached = _GRIDS[key] = (world, Grid(config))
-    return cached[1]
+    if key not in _GRIDS:
+        _GRIDS[key] = Grid(config)
+    return _GRIDS[key]
 
 
 __all__ = ["DIMS", "CP_VARIANTS", "GROUP_DIMS", "AMAX_DIMS", "ParallelConfig", "Grid", "build_grid", "pad_vocab_size"]
