@@ -45,13 +45,33 @@ class CellRun:
     exit_code: int | None = None     # status "died": the kernel process's exit status
 
 
+def kernel_python(home: Path) -> str:
+    """This Python, under a name in the throwaway folder: `make setup` puts the virtual
+    environment inside the course (.venv), and the kernel's command line would name it. A
+    virtual environment is a pyvenv.cfg beside bin/: its copy names only the base interpreter,
+    and lib/ links to this one's packages. (Their editable install still points at the course:
+    for credit, grade with minitron installed as a package, `pip install .`.)"""
+    real = os.path.realpath(sys.executable)
+    if sys.prefix == sys.base_prefix:
+        return real
+    env = home / ".python"
+    (env / "bin").mkdir(parents=True, exist_ok=True)
+    (env / "bin" / "python").symlink_to(real)
+    (env / "lib").symlink_to(Path(sys.prefix) / "lib")
+    (env / "pyvenv.cfg").write_text(f"home = {os.path.dirname(real)}\n"
+                                    "include-system-site-packages = false\n"
+                                    f"version = {'.'.join(map(str, sys.version_info[:3]))}\n")
+    return str(env / "bin" / "python")
+
+
 class _ThisPython(KernelSpecManager):
     """The kernel is this Python (the grader's environment), whatever kernels Jupyter knows,
     started through `prefix` (setpriv, see confinement)."""
     prefix: list[str] = []
+    python: str = sys.executable
 
     def get_kernel_spec(self, kernel_name):
-        return KernelSpec(argv=[*self.prefix, sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        return KernelSpec(argv=[*self.prefix, self.python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                           display_name="Python 3", language="python", env={})
 
 
@@ -113,6 +133,7 @@ class Kernel:
                  startup_timeout: float = 120):
         specs = _ThisPython()
         specs.prefix = confinement(user)
+        specs.python = kernel_python(home)
         self.km = _Manager(kernel_spec_manager=specs, kernel_name="python3")
         self.km.owner = user
         self.km.connection_file = str(home / "kernel.json")
