@@ -32,8 +32,11 @@ def no_ranks(monkeypatch):
         raise Launched
     monkeypatch.setattr("minitron.verify.run.launch", launched)
     monkeypatch.setattr("minitron.train.restart.launch", launched)
-    # --kernels would set TRITON_INTERPRET in this process: the trainer's half needs no kernels
+    # --kernels would set TRITON_INTERPRET in this worker for every later test, and refuse where
+    # an earlier test imported the kernels compiled: that is this process's environment, not the
+    # options this file checks (tests/test_kernels.py checks it)
     monkeypatch.setattr("minitron.train.flags.enable_kernels", lambda *a: "")
+    monkeypatch.setattr("minitron.verify.cli.enable_kernels", lambda *a: "")
 
 
 @pytest.mark.parametrize("row", EXAMPLES, ids=lambda r: r.name)

@@ -126,7 +126,6 @@ def test_processes_probing_one_out_at_once_all_succeed(tmp_path):
     (["--corpus", "/nonexistent/x.txt"], "does not exist"),
     (["--out", "/proc/minitron-cannot-write"], "cannot write"),
     (["--resume", "/nonexistent/ckpt"], "no such checkpoint"),
-    (["--ep", "2", "--experts", "4", "--zero", "3"], "without ZeRO-3"),
     (["--micro-batch", "3"], "--micro-batch 3"),
     (["--schedule", "1f1b"], "needs a pipeline"),
     (["--pp", "2", "--schedule", "nope"], "unknown schedule"),
