@@ -3,6 +3,8 @@ import dataclasses
 import itertools
 import types
 
+import torch
+
 import pytest
 
 from minitron.grid import AMAX_DIMS, GROUP_DIMS, ParallelConfig, build_grid, pad_vocab_size
@@ -161,3 +163,18 @@ def test_built_grid_matches_pure_functions(run_ranks):
             assert rank in ranks
             assert res["group_rank"][name] == ranks.index(rank)
         assert set(res["groups"]) == set(expected)
+
+
+def _shared_groups_worker():
+    import torch.distributed as dist
+    tp, dp = ParallelConfig(tp=2).build(), ParallelConfig(dp=2).build()
+    x = torch.ones(1)
+    dist.all_reduce(x, group=dp.dp.pg)
+    return {"shared": tp.tp.pg is dp.dp.pg, "distinct_grids": tp is not dp, "sum": x.item()}
+
+
+def test_grids_share_a_process_group_of_the_same_ranks(run_ranks):
+    """tp=2's [0, 1] and dp=2's [0, 1] are one gloo group: a rank pool building many grids
+    keeps a few groups (each holds threads and sockets), and the shared one still reduces."""
+    for res in run_ranks(_shared_groups_worker, world_size=2):
+        assert res == {"shared": True, "distinct_grids": True, "sum": 2.0}
