@@ -4,7 +4,7 @@ The package stands on floors. A file imports only from its own floor or below, n
 floor above (not even inside a function), and no two files import each other, directly or
 around a loop (tests/test_layering.py reads the floors from these lines):
 
-  floor 0  runtime grid subgroups config refusals hardware sources kernels
+  floor 0  runtime grid config refusals hardware sources kernels
   floor 1  tensor_parallel context_parallel moe pipeline data_parallel
   floor 2  model pipeline.measure
   floor 3  estimate
@@ -13,7 +13,7 @@ around a loop (tests/test_layering.py reads the floors from these lines):
 
 What each floor holds:
   0  how ranks start and talk (runtime/), the grid of process groups, the two configs
-     (ModelConfig in config.py, ParallelConfig in grid.py), the one table of refused
+     (ModelConfig in config.py, ParallelConfig in grid/), the one table of refused
      combinations (refusals.py), the GPUs' data sheets and link model (hardware.py), the
      constants the lessons cite with their sources (sources.py) and the Triton
      kernels: everything above reads them.

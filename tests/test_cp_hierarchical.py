@@ -15,7 +15,7 @@ from minitron.context_parallel.ulysses import torch_attention
 from minitron.grid import ParallelConfig, build_grid
 from minitron.model import ModelConfig
 from minitron.runtime import comm
-from minitron.subgroups import SUBGROUP_DIMS
+from minitron.grid.subgroups import SUBGROUP_DIMS
 from minitron.verify.checks import Report
 from minitron.verify.compare import rel_err
 from minitron.verify.steps import run_rank

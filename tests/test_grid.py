@@ -9,7 +9,7 @@ import pytest
 
 from minitron.grid import AMAX_DIMS, GROUP_DIMS, ParallelConfig, build_grid, pad_vocab_size
 from minitron.model.splits import validate_model
-from minitron.subgroups import SUBGROUP_DIMS
+from minitron.grid.subgroups import SUBGROUP_DIMS
 from minitron.config import ModelConfig
 
 CONFIGS = [

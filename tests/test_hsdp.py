@@ -16,7 +16,7 @@ from minitron.grid import GROUP_DIMS, ParallelConfig, build_grid
 from minitron.model import ModelConfig, ParallelGPT
 from minitron.config import ConfigError
 from minitron.runtime import comm
-from minitron.subgroups import SUBGROUP_DIMS
+from minitron.grid.subgroups import SUBGROUP_DIMS
 from minitron.train import cli as train_cli
 from minitron.train.engine import TrainingRun
 from minitron.verify import cli as verify_cli, make_batch

@@ -137,10 +137,10 @@ def copy(tmp_path):
 
 
 def test_a_planted_climbing_import_is_caught(copy):
-    grid = copy / "minitron" / "grid.py"
-    grid.write_text(grid.read_text() + "\n\ndef planted():\n    from .train.engine import TrainingRun\n")
-    assert [c for c in climbing(copy) if c.startswith("minitron.grid ")] == \
-        [f"minitron.grid (floor 0, line {len(grid.read_text().splitlines())}) -> "
+    grid = copy / "minitron" / "grid" / "groups.py"
+    grid.write_text(grid.read_text() + "\n\ndef planted():\n    from ..train.engine import TrainingRun\n")
+    assert [c for c in climbing(copy) if c.startswith("minitron.grid.groups ")] == \
+        [f"minitron.grid.groups (floor 0, line {len(grid.read_text().splitlines())}) -> "
          f"minitron.train.engine (floor {floors(copy)['train']})"]
 
 

@@ -1,7 +1,7 @@
 """Hierarchical context parallelism: Ulysses inside groups of cp_a2a ranks, a ring across them.
 
 Megatron-Core's "a2a+p2p" (hierarchical_context_parallel_sizes = [a, R], cp = a * R). The cp
-ranks are cut into R groups of a neighbours (minitron/subgroups.py: cp_rank = a2a_rank +
+ranks are cut into R groups of a neighbours (minitron/grid/subgroups.py: cp_rank = a2a_rank +
 a * ring_rank). Inside a group, Ulysses' all-to-all (ulysses.py) swaps the sequence split for a
 head split: each rank gets h/a heads of all the group's tokens (2a of the 2cp zigzag chunks,
 put in increasing order). Across groups those longer, narrower blocks go around a ring

@@ -1,6 +1,6 @@
 """Moving tokens to the ranks that hold their experts, and the results back.
 
-The group is `tp_ep` (minitron/grid.py): with sequence parallelism every rank of it holds
+The group is `tp_ep` (minitron/grid/): with sequence parallelism every rank of it holds
 different tokens, and expert e lives on ep rank e // E_local, split across that rank's tp
 ranks. Its members are numbered d = ep_rank * tp + tp_rank.
 

@@ -1,7 +1,7 @@
 """Which ranks form the expert groups: minitron's one generator, or Megatron-Core's second one.
 
 minitron lays out every group, the experts' included, on the one "tp-cp-ep-dp-pp" grid
-(minitron/grid.py). Megatron-Core (megatron/core/parallel_state.py, initialize_model_parallel)
+(minitron/grid/). Megatron-Core (megatron/core/parallel_state.py, initialize_model_parallel)
 builds two RankGenerators over the same ranks:
   dense   tp, cp, dp = world / (tp * cp * pp), pp      (ep = 1: the dense dp holds ep * dp)
   expert  expert tp, ep, expert dp = world / (etp * ep * pp), pp      (cp = 1: folded away)

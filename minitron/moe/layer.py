@@ -1,6 +1,6 @@
 """The expert-parallel MoE layer: the dense MLP's interface, forward(x) -> y, on the grid.
 
-Where everything lives (minitron/grid.py's groups):
+Where everything lives (minitron/grid/'s groups):
   router          replicated on every rank; a dense parameter (its gradient is averaged over
                   dense_dp like the attention's). Under SP each tp rank routes its own
                   tokens, so its gradient is partial: marked `sequence_parallel`, summed over tp.

@@ -6,7 +6,7 @@ this tp rank's part of the sequence travels; without SP every tp rank sends its 
 the replicated activation to the same tp rank of the next stage, as Megatron does). Under
 context parallelism a rank holds seq/cp tokens of every sequence (its zigzag chunks), and
 sends them to the rank with the same (tp, cp, dp) coordinates on the next stage: the pp group
-(grid.py) varies pp only. So no shapes are exchanged first: the receiver allocates the buffer
+(minitron/grid/) varies pp only. So no shapes are exchanged first: the receiver allocates the buffer
 and posts the receive.
 
 A run of consecutive message actions (pipeline/actions.py) is posted as one batch through

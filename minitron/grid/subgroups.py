@@ -23,7 +23,7 @@ dp_replicate has one rank: nothing new is built and nothing changes.
 """
 from __future__ import annotations
 
-from .config import ConfigError, divisors, near
+from ..config import ConfigError, divisors, near
 
 # a split dimension -> its two digits, fastest first
 SPLITS = {"dp": ("dp_shard", "dp_replicate"), "cp": ("cp_a2a", "cp_ring")}
