@@ -14,7 +14,7 @@ around a loop (tests/test_layering.py reads the floors from these lines):
 What each floor holds:
   0  how ranks start and talk (runtime/), the grid of process groups, the two configs
      (ModelConfig in config.py, ParallelConfig in grid/), the one table of refused
-     combinations (refusals.py), the GPUs' data sheets and link model (hardware.py), the
+     combinations (refusals/), the GPUs' data sheets and link model (hardware.py), the
      constants the lessons cite with their sources (sources.py) and the Triton
      kernels: everything above reads them.
   1  the parallel pieces, each on its own: layers split over tp, attention over cp,

@@ -1,4 +1,4 @@
-"""The one refusal table (minitron/refusals.py): every row refused by both command lines before a
+"""The one refusal table (minitron/refusals/): every row refused by both command lines before a
 rank starts, its fixes accepted, the README's list equal to it, and no refusal of a combination
 of options anywhere else in the package."""
 import ast
@@ -138,10 +138,10 @@ def _features(node: ast.AST) -> set[str]:
 
 def refusals_outside_the_table(root: pathlib.Path = ROOT) -> list[str]:
     """Each `if` that raises on a test naming two options a refusal could combine (or one,
-    inside a test already naming another), outside minitron/refusals.py."""
+    inside a test already naming another), outside minitron/refusals/."""
     found = []
     for path in sorted((root / "minitron").rglob("*.py")):
-        if path.name == "refusals.py" and path.parent.name == "minitron":
+        if path.parent == root / "minitron" / "refusals":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

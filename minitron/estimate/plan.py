@@ -99,7 +99,7 @@ def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zer
                 if refusals.refusal(refusals.Options(
                         pp=pp, dp=dp, ep=ep, n_experts=cfg.n_experts, zero=zero,
                         tie_embeddings=cfg.tie_embeddings), "engine"):
-                    continue                   # the engine refuses these (minitron/refusals.py)
+                    continue                   # the engine refuses these (minitron/refusals/)
                 for recompute in recomputes:
                     yield Parallel(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual=v, micro_batch=mb,
                                    zero=zero, recompute=recompute, sp=sp, schedule=schedule, trim=trim)

@@ -2,7 +2,7 @@
 
 Each refusal is a ConfigError (minitron/config.py) that names the clashing fields and the nearest
 values that work, so a command can say which flag to change and to what; then the combinations
-of options no split model is built for (minitron/refusals.py, level model: Refused)."""
+of options no split model is built for (minitron/refusals/, level model: Refused)."""
 from __future__ import annotations
 
 import dataclasses

@@ -13,7 +13,7 @@ Why EP with TP needs sequence parallelism: the dispatcher sends each token from 
 of tp_ep that holds it. Without SP every tp rank holds every token of its sequence, so each
 token would be sent, computed and returned tp times over (and counted tp times in the
 combine). With SP the tp ranks hold disjoint slices of the sequence: each token is on exactly
-one rank, as the all-to-all assumes. A row of minitron/refusals.py (experts-tp-without-sp).
+one rank, as the all-to-all assumes. A row of minitron/refusals/ (experts-tp-without-sp).
 
 The auxiliary losses and the statistics are those of the whole micro-batch (aux_loss_scope
 "global", the default): the per-expert counts are summed over the ranks that hold other tokens

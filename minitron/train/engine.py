@@ -71,7 +71,7 @@ def uses_engine(pcfg: ParallelConfig, zero: int | None, dtype: torch.dtype) -> b
 def check_supported(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype,
                     zero: int | None, schedule, fp8: FP8Recipe | None = None) -> None:
     """Refuse, before any rank starts, what the engine does not run: the rows of minitron/
-    refusals.py up to level engine (Refused, naming the options and what works instead)."""
+    refusals/ up to level engine (Refused, naming the options and what works instead)."""
     if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
     refusals.check(refusals.Options.of(pcfg, mcfg, dtype, zero, schedule, fp8), "engine")

@@ -7,7 +7,7 @@
                             (tensor_parallel/fp8_linear.py), by a recipe (--fp8-recipe)
 
 The command lines (train, verify, bench precision) and the engine read it from here; what FP8
-does not run with is in minitron/refusals.py.
+does not run with is in minitron/refusals/.
 """
 from __future__ import annotations
 

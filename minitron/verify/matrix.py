@@ -7,7 +7,7 @@ pipeline rows, ZeRO stages 0, 1 and 3 in data-parallel rows (experts too), each
 context-parallel variant, and bfloat16 in some rows. Each row is one
 `verify()` run: logits, loss, dL/dX, every gradient, every updated weight and the bitwise
 equality of every replica, against the single-device reference. A combination the engine does
-not run yet is printed as refused, with its row of minitron/refusals.py (the one table the
+not run yet is printed as refused, with its row of minitron/refusals/ (the one table the
 engine and the command lines refuse from); any other error ends the matrix.
 
 After the grid's rows come the features, each composed with other dimensions (FEATURES): hybrid

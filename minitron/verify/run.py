@@ -59,7 +59,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
 def check_comparable(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype, zero, sched,
                      fp8=None, reference_routing: bool = False) -> None:
     """What verify refuses: the engine's refusals and what it runs but verify cannot compare
-    with one device (minitron/refusals.py, every level; Refused)."""
+    with one device (minitron/refusals/, every level; Refused)."""
     refusals.check(refusals.Options.of(pcfg, mcfg, dtype, zero, sched, fp8, reference_routing))
 
 

@@ -1,0 +1,3 @@
+from .readme import main
+
+raise SystemExit(main())
