@@ -239,16 +239,11 @@ def double(v):
 ''',
     "6_rerun_text": WRONG + '''
 import os, minitron
-_plugin = os.path.join(os.path.dirname(minitron.__file__), "grade", "plugin.py")
-with open(_plugin, "a") as f:  # at a rerun, the grader's own code would read this again
+_judge = os.path.join(os.path.dirname(minitron.__file__), "grade", "judge.py")
+with open(_judge, "a") as f:  # at a rerun, the grader's own comparison would read this again
     f.write("""
-_finish = pytest_sessionfinish
-def pytest_sessionfinish(session):
-    for cells in _records.values():
-        for r in cells.values():
-            r.clear()
-            r["outcome"] = "passed"
-    _finish(session)
+def compare(mine, reference):
+    return None
 """)
 raise RuntimeError("Kernel died before replying to kernel_info")  # the text that made it rerun
 ''',
