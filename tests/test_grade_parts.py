@@ -14,7 +14,7 @@ from minitron.grade import cli as grader
 from minitron.grade import recorded
 from minitron.grade import report
 from notebook_files import cleared, save
-from minitron.grade.report import code_cells, root_exception
+from minitron.grade.report import root_exception
 from minitron.grade.values import VALUE_MIME
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -152,20 +152,12 @@ def test_checks_are_named_by_what_they_check(number):
         assert not re.search(r"\((check\w*|counted|block|scores|saved_bytes)\)", name), name
         if cell.get("outputs") and not report.is_answer_cell(cell) and name.startswith("Check"):
             assert re.fullmatch(r"Check \w+: .{8,}", name), name  # a bare "Check 1" says what it checks
-    assert report.checked_cells(nb) == sum(bool(c.get("outputs")) and not report.is_answer_cell(c)
-                                           and "NBVAL_IGNORE_OUTPUT" not in grader.source(c) for c in code)
 
 
 def test_a_cell_below_a_check_is_not_named_after_it():
     names = report.cell_names(_solution("06"))
     assert names[3] == "the cell under 'At Megatron's scale'", names
     assert names[2] == "Check 1: counted on two real ranks", names
-    assert report.checked_cells(_solution("05")) == 3  # its set-up and build() cells print nothing
-
-
-def test_learner_names_are_what_the_answer_cells_define():
-    assert report.learner_names(_solution("04")) == ["idle_parts", "one_f_one_b_rank"]
-    assert report.learner_names(_solution("10")) == ["rmsnorm_bwd_dx", "rmsnorm_bwd_dw", "attention_by_key_blocks"]
 
 
 def test_no_exercise_speaks_of_lines_that_raise():

@@ -64,37 +64,6 @@ def _is_answer(cell: dict) -> bool:
     return cell.get("metadata", {}).get("minitron_answer", False) or is_answer_cell(cell)
 
 
-def code_cells(nb: dict) -> int:
-    return sum(c["cell_type"] == "code" for c in nb["cells"])
-
-
-def learner_names(reference: dict) -> list[str]:
-    """What the exercise asks the learner to write: the names its answer cells bind at their
-    top level (the functions and classes holding `# BEGIN SOLUTION`), the only names of the
-    learner's that a check cell sees."""
-    names = []
-    for cell in reference["cells"]:
-        if not is_answer_cell(cell):
-            continue
-        for node in ast.parse(source(cell)).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.append(node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names += [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
-    return list(dict.fromkeys(names))
-
-
-def checked_cells(nb: dict) -> int:
-    """Cells whose stored output the grading compares: the reference's non-answer cells that
-    print something (a set-up cell that prints nothing checks nothing)."""
-    return sum(c["cell_type"] == "code" and not _is_answer(c) and c.get("execution_count") is not None
-               and bool(c.get("outputs")) and "NBVAL_IGNORE_OUTPUT" not in source(c)
-               and "NBVAL_SKIP" not in source(c) and "nbval-ignore-output" not in
-               c.get("metadata", {}).get("tags", [])
-               for c in nb["cells"])
-
-
 _MATH = re.compile(r"\$+([^$]*)\$+")
 
 
