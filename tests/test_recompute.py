@@ -119,5 +119,3 @@ def test_no_grad_runs_plainly_and_the_rng_is_left_as_found():
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="recompute='some': choose one of"):
         ModelConfig(recompute="some")
-    with pytest.raises(ValueError, match="recompute='some': choose one of"):
-        recompute.check_mode("some")

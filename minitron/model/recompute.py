@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import torch
 
-from ..config import CHOICES
 from ..tensor_parallel.fp8_linear import ScaleTape
 from ..tensor_parallel.random import DropoutRNG
 
@@ -95,11 +94,3 @@ def checkpoint(fn, rng: DropoutRNG, *tensors: torch.Tensor, others: tuple = ()):
     if not torch.is_grad_enabled():
         return fn(*tensors, *others)
     return _Checkpoint.apply(fn, rng, len(tensors), *tensors, *others)
-
-
-def check_mode(recompute: str) -> str:
-    if recompute not in CHOICES["recompute"]:
-        raise ValueError(f"recompute={recompute!r}: choose one of {CHOICES['recompute']} "
-                         "(none: keep everything; selective: recompute the attention core; "
-                         "full: recompute every layer)")
-    return recompute
