@@ -13,11 +13,12 @@ the order of the sum. On a GPU with FP8 tensor cores (compute capability 8.9+: A
 Blackwell) the same GEMM is torch._scaled_mm. The input and weight casts are saved for the
 backward (the FP8 copies, 1 byte per element, not the bf16 tensors).
 
-Each tensor-parallel rank scales its own shards (a column shard of W, its slice of x's
-features in a row-parallel layer): a finer scale than the whole tensor's. Transformer Engine
-also all-reduces the amaxes over the tensor-parallel group so replicated tensors keep equal
-scales; here every replicated FP8 operand (x after an SP all-gather, dy of a row-parallel
-layer) is already identical across tp, so its amax and scale are too.
+Each rank casts its own pieces (a column shard of W, its slice of x's features in a
+row-parallel layer, its rows and sequence chunks), but with the whole logical tensor's scale:
+each amax is all-reduced (max) over the grid's amax group before a scale is taken from it
+(fp8.py, "Amax reduction"; enable_fp8's `group`), as Megatron-Core has Transformer Engine do,
+so every cast is the one a single device makes. FP8Recipe(reduce_amax=False) leaves each rank
+its own amaxes: a finer scale per piece, and casts no single device makes.
 
 Which layers: every GEMM of the transformer blocks (qkv, attention out, fc1, fc2). The
 embedding (a lookup: no GEMM to speed up) and the output layer stay bf16, as in Megatron-LM
