@@ -1,7 +1,8 @@
 """FP8 training (minitron/tensor_parallel/fp8.py, fp8_linear.py): the casts against a hand
 computation of the formats, saturation, the delayed-scaling scale update, the FP8 linear's
-forward and backward against the same GEMMs on dequantized operands, and verify --dtype fp8
-(both recipes pass against the float32 reference, the planted scaling faults fail)."""
+forward and backward against the same GEMMs on dequantized operands, verify --dtype fp8 (both
+recipes pass against one device running the same FP8 GEMMs, the planted recipe faults fail),
+and an FP8 run resumed from a checkpoint continuing bit for bit."""
 from __future__ import annotations
 
 import math
