@@ -42,7 +42,6 @@ def test_overhead_runs_and_reports(capsys, monkeypatch):
 
 
 def _forced_ring_rank(forced: bool, plant: bool):
-    import torch
     from minitron.grid import ParallelConfig, build_grid
     from minitron.model.parallel import ParallelGPT
     from minitron.model.reference import GPT

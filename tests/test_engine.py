@@ -8,7 +8,6 @@ Tolerance: 1e-5 relative per step. The grids add each sum in another order (floa
 past a few 1e-6 (measured: at most 2e-6); a dropped all-reduce moves the curve by 1e-3 or more
 (the planted runs below)."""
 import pytest
-import torch
 
 from minitron.grid import ParallelConfig
 from minitron.config import ModelConfig

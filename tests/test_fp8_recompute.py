@@ -2,7 +2,6 @@
 rerun in backward casts with the first forward's scales, so every amax history records each use
 once, exactly as without recomputation, and the run verifies against one device. A rerun that
 takes new scales (the tape not replayed) records twice: caught."""
-import pytest
 import torch
 
 from minitron import verify

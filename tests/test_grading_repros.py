@@ -13,7 +13,6 @@ test_grading_tamper.py.)
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 

@@ -3,7 +3,6 @@ micro-batch by micro-batch on both sides, their choices are compared row for row
 --reference-routing the split model takes the reference's choices for exactly the rows each
 micro-batch holds. Seed 3 has one rounding flip of a top-k at step 1 (bfloat16, pp 2 x ep 2): it is
 counted without the flag and stepped over with it; imposing another micro-batch's choices fails."""
-import pytest
 import torch
 
 from minitron import verify

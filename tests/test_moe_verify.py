@@ -4,7 +4,6 @@ gradient and update at verify's float32 bars, and the dropped (token, expert) pa
 Planted dispatch bugs (a wrong split size, an unpermute off by one) fail; bad options exit 2."""
 import pytest
 
-from minitron import verify
 from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig

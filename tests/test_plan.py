@@ -12,7 +12,7 @@ import pytest
 
 from minitron.estimate import published
 from minitron.hardware import GPUS
-from minitron.estimate.plan import candidates, evaluate, plan
+from minitron.estimate.plan import evaluate, plan
 from minitron.estimate.software import SOFTWARE
 from minitron.estimate.time_model import Cluster, Parallel, gemm_seconds, step_time
 

@@ -9,7 +9,6 @@ bitwise over tp and dp. The two data-parallel plants must fail, by the rows that
 import pytest
 import torch
 
-from minitron import verify
 from minitron.verify import cli as verify_cli
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig

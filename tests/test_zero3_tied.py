@@ -4,7 +4,6 @@ of both uses' gradients. Checked against the reference (gradients and updates, 2
 traffic counted exactly, and the refusal that remains (V schedules; across pipeline ranks:
 tests/test_zero3_tied_pipeline.py)."""
 import pytest
-import torch
 
 from minitron.data_parallel import ZeroStage3
 from minitron.train.step import forward_backward
