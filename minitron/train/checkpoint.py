@@ -148,21 +148,21 @@ def fp8_states_of_every_stage(model) -> dict | None:
     recipes = [s.recipe for s in mine.values()]
     if not recipes:
         return None
-    width = 3 + recipes[0].history_len      # held, uses, scale, history...
+    width = 2 + recipes[0].history_len      # uses, scale, history...
     layout = _fp8_layout(model)
     flat = torch.zeros(len(layout), width, device=model.grid.device)
     for row, (name, k) in enumerate(layout):
         if name in mine:
             st = mine[name].scalers()[k]
-            flat[row, 0], flat[row, 1] = 1.0, float(st.uses)
+            flat[row, 0] = float(st.uses)
             if st.scale is not None:
-                flat[row, 2] = st.scale
+                flat[row, 1] = st.scale
             if st.history is not None:
-                flat[row, 3:] = st.history
+                flat[row, 2:] = st.history
     comm.all_reduce(flat, model.grid.pp, op="max")
     out: dict = {}
     for row, (name, k) in zip(flat.tolist(), layout):
-        held, uses, scale, history = row[0], row[1], row[2], row[3:]
+        uses, scale, history = row[0], row[1], row[2:]
         out.setdefault(name, {})[SCALERS[k]] = {
             "uses": int(uses), "scale": scale if scale > 0 else None,
             "history": history if uses > 0 or any(history) else None}
