@@ -18,7 +18,7 @@ from minitron.context_parallel import (VARIANTS, attention_flops_per_rank, chunk
                                        context_parallel_attention, imbalance, positions,
                                        ring_bytes, scores_per_rank, shard_sequence,
                                        unshard_sequence)
-from minitron.verify.plants import merged_without_rescale
+from minitron.verify.plants_context_parallel import merged_without_rescale
 from minitron.context_parallel.measure import PeakBytes, saved_bytes
 from minitron.context_parallel.ulysses import torch_attention
 from minitron.grid import ParallelConfig, build_grid

@@ -21,7 +21,7 @@ from minitron.model.splits import validate_model
 from minitron.moe.experts import TP_DIM, shard_moe_state_dict
 from minitron.moe.router import apply_capacity, capacity, update_expert_bias
 from minitron.verify.compare import rel_err
-from minitron.verify.plants import plant_dispatch
+from minitron.verify.plants_moe import plant_dispatch
 
 TOL = 1e-5
 CFG = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, n_experts=4,

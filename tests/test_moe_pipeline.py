@@ -11,7 +11,7 @@ from minitron.config import ModelConfig
 from minitron.pipeline import executor
 from minitron.pipeline.schedules import make_schedule
 from minitron.verify import Report, run_rank
-from minitron.verify.plants import patched
+from minitron.verify.patching import patched
 
 CFG = ModelConfig(vocab_size=128, seq_len=16, hidden=64, n_layers=4, n_heads=4, dropout=0.1,
                   n_experts=4, topk=2)

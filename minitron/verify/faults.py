@@ -15,7 +15,7 @@ import signal
 
 from ..train import checkpoint, restart
 from ..train.engine import TrainingRun
-from .plants import patched
+from .patching import patched
 
 HOW = ("kill", "raise")
 SAVE_POINTS = ("written", "manifest")

@@ -1,0 +1,38 @@
+"""The expert plants moe-route, moe-split and moe-unpermute (plants.py): one MoE layer's
+dispatch with a fault, its code untouched (the layer's dispatcher is wrapped)."""
+from __future__ import annotations
+
+import torch
+
+
+def plant_dispatch(layer, kind: str) -> None:
+    """One MoE layer's dispatch with a fault, its code untouched: the layer's dispatcher is
+    wrapped. "route": the first token's first choice goes to an expert the router did not
+    choose; "split": the grouped matmul runs one row of the first local expert with the next;
+    "unpermute": the expert outputs, in grouped order, are off by one row when the regrouping
+    is undone, so they return to the wrong tokens."""
+    if kind not in ("route", "split", "unpermute"):
+        raise ValueError(f"unknown dispatch fault {kind!r}: route, split or unpermute")
+    dispatch, n_experts = layer.dispatcher, layer.cfg.n_experts
+
+    def planted(x, r, experts):
+        if kind == "route":
+            if x.shape[0]:
+                r.experts = _misroute_first_token(r.experts, n_experts)
+            return dispatch(x, r, experts)
+
+        def faulty(rows, counts, bias_rows):
+            if kind == "unpermute":
+                return experts(rows, counts, bias_rows).roll(1, 0)
+            if len(counts) > 1 and counts[0] > 0:                      # split
+                counts = [counts[0] - 1, counts[1] + 1, *counts[2:]]
+            return experts(rows, counts, bias_rows)
+        return dispatch(x, r, faulty)
+    layer.dispatcher = planted
+
+
+def _misroute_first_token(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Token 0's first choice replaced by the lowest expert it did not choose."""
+    wrong = experts.clone()
+    wrong[0, 0] = min(set(range(n_experts)) - set(experts[0].tolist()))
+    return wrong
