@@ -1,4 +1,4 @@
-"""The low-precision verdict (minitron/verify/checks.py noise_rows, verify/noise.py): correct
+"""The low-precision verdict (minitron/verify/noise_rows.py, verify/noise.py): correct
 16-bit splits pass with a margin, and each planted error fails, in bfloat16 and float16.
 
 Small shapes and two steps keep it fast; `python -m minitron.verify ... --plant KIND` runs the

@@ -100,8 +100,11 @@ on its chunks of each micro-batch, and stages exchange s/cp tokens. Not yet with
 dtypes.
 
 run.py launches the ranks (verify()), steps.py is each rank's step of both sides, checks.py the
-tolerances and rows, routing.py the routers' choices, plants.py the planted bugs that show a check can fail, compare.py the
-relative-error helpers the tests and lessons share, cli.py the command line.
+comparisons (tolerances.py the float32 bars, report.py the rows and verdict, float32_rows.py,
+noise_rows.py and replica_rows.py the rows of each kind), routing.py the routers' choices,
+plants.py the planted bugs that show a check can fail (plants_*.py each layer's, patched in by
+patching.py), compare.py the relative-error helpers the tests and lessons share, cli.py the
+command line.
 """
 from .checks import Report, Row
 from .run import verify

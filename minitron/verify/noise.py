@@ -18,7 +18,7 @@ whose every reduction is cut in two halves, each rounded to the dtype, then adde
                         does before it is rounded and all-reduced in 16 bits)
 
 That is the noise of a 2-way split at every reduction at once, at the same casting points as
-the reference: what checks.noise_rows holds the split side's errors against.
+the reference: what noise_rows.py holds the split side's errors against.
 """
 from __future__ import annotations
 
