@@ -5,6 +5,8 @@
     ddp.py         DataParallel: bucketed all-reduce (or reduce-scatter) started from backward hooks
     zero.py        ZeroOptimizer: AdamW on fp32 master shards (the ZeRO table is in its docstring)
     zero3.py       ZeroStage3: sharded parameters, gathered unit by unit (pipelines, B/W split too)
+    zero3_units.py which parameters form a ZeRO-3 unit (experts, tied embeddings apart)
+    zero3_shard.py one unit's flat shard: gathered, freed, its gradients reduce-scattered
     memory.py      per-rank bytes measured, and the ZeRO formulas for memory and traffic
     checks.py      whole tensors rebuilt from shards, for comparisons with the reference
 

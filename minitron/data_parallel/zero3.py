@@ -6,7 +6,8 @@
 
 ZeroStage3's docstring says when a unit is gathered, freed and reduce-scattered, how
 micro-batches accumulate (and what that costs in memory and traffic), and how pipelines and
-B/W-split schedules fit in.
+B/W-split schedules fit in. zero3_units.py says which parameters form a unit, zero3_shard.py
+holds one unit's shard and gathers, frees and reduce-scatters it; this file hooks them in.
 """
 from __future__ import annotations
 
@@ -15,146 +16,13 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..runtime import comm, comm_async
+from ..runtime import comm
 from ..grid import Grid
 from ..tensor_parallel import weight_grad
-from .buffer import FlatLayout, flatten_into
 from .ddp import reduction_group, sum_sequence_parallel_grads
 from .engine_api import GradientEngine, Piece
-
-
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """One unit per layer, plus the embedding, the final norm and the output layer: those the
-    model holds. A pipeline rank (PipelineGPT) holds its stages' layers (a ModuleDict keyed by
-    global index), the embedding on the first stage, the final norm and output layer on the last."""
-    if not hasattr(model, "layers"):
-        raise ValueError("ZeroStage3 needs units= (the modules to gather one at a time) for a "
-                         "model without .layers")
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    first = [model.embedding] if hasattr(model, "embedding") else []
-    last = [getattr(model, name) for name in ("final_norm", "lm_head") if hasattr(model, name)]
-    return first + list(layers) + last
-
-
-def _kind(p: nn.Parameter) -> str:
-    """experts: summed over dp_cp (moe/layer.py marks them allreduce = False); tied: a pipeline's
-    tied embedding, summed over grid.embedding too (pipeline/partition.py); else dense."""
-    if getattr(p, "allreduce", True) is False:
-        return "experts"
-    return "tied" if getattr(p, "shared_embedding", False) else "dense"
-
-
-def split_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, its parameters) for `module`'s unit and, apart, for each largest submodule whose
-    parameters are all experts or all a tied embedding. Experts are summed and sharded over
-    dp_cp, not dense_dp (ddp.reduction_group); a tied embedding's shards are summed over the
-    first and last stage, which needs the same layout there. Each such unit is gathered around
-    its own module's forward and backward, inside the enclosing module's unit."""
-    def kind_of(m):
-        kinds = {_kind(p) for p in m.parameters() if p.requires_grad}
-        return kinds.pop() if len(kinds) == 1 else None
-
-    if kind_of(module) is not None:
-        return [(module, [p for p in module.parameters() if p.requires_grad])]
-    nested = []
-
-    def walk(m):
-        for child in m.children():
-            (nested.append if kind_of(child) not in (None, "dense") else walk)(child)
-    walk(module)
-    inner = {p for n in nested for p in n.parameters()}
-    own = [p for p in module.parameters() if p.requires_grad and p not in inner]
-    if any(_kind(p) != "dense" for p in own):
-        raise ValueError(f"ZeroStage3: {type(module).__name__} holds expert or tied parameters "
-                         "outside a submodule of their own: give them one (or pass units=)")
-    return ([(module, own)] if own else []) + \
-        [(n, [p for p in n.parameters() if p.requires_grad]) for n in nested]
-
-
-class _FreeAfterBackward(torch.autograd.Function):
-    """Identity on a unit's input; its backward, which runs once dL/d(input) is complete (every
-    node of the unit that reads a weight has run), frees the unit's gathered weights."""
-
-    @staticmethod
-    def forward(ctx, unit, x):
-        ctx.unit = unit
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.unit.free()
-        return None, grad
-
-
-class _Unit:
-    """One module's parameters: a persistent 1/n shard and a full buffer that exists only
-    while gathered (its storage is resized to 0 in between; the parameters stay views of it)."""
-
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], group, rank: int):
-        n = group.size
-        self.module, self.group, self.params = module, group, params
-        self.layout = FlatLayout(params, None, pad_to=n)
-        first = params[0]
-        self.full = flatten_into(self.layout, first.dtype, first.device)
-        size = self.layout.numel // n
-        self.range = (rank * size, (rank + 1) * size)
-        self.shard = self.full[self.range[0]:self.range[1]].clone()   # ZeroStage3 re-homes these
-        self.grad_shard = torch.zeros_like(self.shard)
-        self.gathered = True
-        self.held = False     # a weight used twice (tied embedding): gathered until its reduce
-        self.contributions = {p: 0 for p in params}   # gradients in this step, per parameter
-        self.reduced = 0                                # micro-batches reduce-scattered so far
-        # A group of one: the shard is the whole unit, so there is nothing to gather or free
-        # (once ZeroStage3 has re-homed the shard, the parameters become views of it).
-        self.sharded = n > 1
-        self.free()
-
-    def share_shard(self) -> None:
-        """Unsharded (n = 1): make the shard the full buffer, the parameters views of it."""
-        self.full = self.shard
-        for p in self.params:
-            p.data = self.layout.view(self.full, p)
-
-    def contribute(self, p: nn.Parameter, scale: float) -> None:
-        """One more gradient of p is in .grad; once every parameter has one more than has been
-        reduce-scattered, the micro-batch is complete: send what .grad holds, free the weights."""
-        self.contributions[p] += 1
-        if min(self.contributions.values()) > self.reduced:
-            self.reduce_grads(scale)
-            self.reduced += 1
-            self.free(force=True)
-
-    def gather(self) -> None:
-        if self.gathered or not self.sharded:
-            return
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        comm_async.all_gather(self.shard, self.group, out=self.full).wait()
-        self.gathered = True
-
-    def free(self, force: bool = False) -> None:
-        """Drop the gathered weights (a held unit only when its gradients are sent: `force`)."""
-        if not self.sharded or (self.held and not force):
-            return
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def reduce_grads(self, scale: float) -> None:
-        """Reduce-scatter what .grad holds (times `scale`) into my gradient shard; free .grad."""
-        data = torch.zeros(self.layout.numel, dtype=self.shard.dtype, device=self.shard.device)
-        for p in self.params:
-            if p.grad is not None:
-                self.layout.view(data, p).copy_(p.grad)
-            p.grad = None
-        if scale != 1.0:                      # one replica: nothing to average, skip the pass
-            data.mul_(scale)
-        self.grad_shard.add_(comm.reduce_scatter(data, self.group))
-
-    def reset(self) -> None:
-        """A new step: no contributions, no .grad (the gradient shard is ZeroStage3's to zero)."""
-        self.contributions = dict.fromkeys(self.contributions, 0)
-        self.reduced = 0
-        for p in self.params:
-            p.grad = None
+from .zero3_shard import _FreeAfterBackward, _Unit
+from .zero3_units import _kind, default_units, split_units
 
 
 class ZeroStage3(GradientEngine):
