@@ -1,6 +1,8 @@
 """How ranks start, talk and fail: what every dimension is built on.
 
 launch.py       launch(fn, world_size=N): forked ranks (scripts, pytest, notebooks) or torchrun's
+rank_process.py   one forked rank: its process, pipe and shared status (launch's and pool's)
+rank_failures.py  RankError, and which rank a failure is blamed on (a peer died, a peer stalled)
 process_group.py  which backend, how a rank joins its group (forked ranks: at a store their parent
                   serves, on a port its own bind chose), the run under torchrun
 pool.py         WorkerPool: ranks kept alive across launches (many small jobs: the tests)

@@ -33,6 +33,9 @@ Failures never hang:
     running and what each was doing. Progress is entering or leaving a collective, or using
     the CPU (minitron/runtime/deadline.py): a long computation is never cut short, while a rank that
     sleeps, waits on a lock or a queue, or blocks outside any collective is caught.
+
+rank_process.py holds one forked rank (process, pipe, shared status), rank_failures.py how a
+failure is explained; this file starts the ranks and waits for their replies.
 """
 from __future__ import annotations
 
@@ -40,34 +43,29 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import signal
 import sys
 import threading
 import traceback
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
-from . import comm
+from . import rank_process
 from .deadline import Deadline, heartbeat
 from .process_group import (check_can_fork, init_process_group, launch_under_torchrun,
                             pick_backend, rendezvous_store, under_torchrun)
-from .rank_output import append_only_file, capture_output, dumps_for_parent, read_log
+from .rank_failures import (RankError, _exit_reason, _raise_if_a_peer_died,
+                            _raise_if_a_peer_stalled)
+from .rank_output import capture_output, dumps_for_parent
+from .rank_process import _enter_rank, _meet_at, _Rank
 
 DEFAULT_TIMEOUT = float(os.environ.get("MINITRON_TIMEOUT", "120"))
-_STATUS_LEN = 200
-_in_worker = False
 _ranks_import_dynamo = False   # a rank of an earlier launch imported torch._dynamo (below)
-
-
-class RankError(RuntimeError):
-    """A rank raised, died, or did not finish."""
 
 
 def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
            timeout: float = DEFAULT_TIMEOUT, echo: bool = True, **kwargs) -> list[Any]:
-    if _in_worker:
+    if rank_process._in_worker:
         raise RuntimeError("launch() was called inside a launched rank: call fn directly there")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -90,93 +88,6 @@ def launch(fn: Callable, *args, world_size: int, backend: str | None = None,
         # collected later, maybe in a later launch's forked rank, which has no server thread
         # for its destructor to stop (a segfault).
         store = None
-
-
-# ----------------------------------------------------------------------------------------
-# One forked rank: a process, a pipe for its result, shared memory for what it is doing and
-# how far it got, and (launch's ranks) a file for everything it writes but its prints
-# ----------------------------------------------------------------------------------------
-class _Rank:
-    ctx = mp.get_context("fork")
-
-    def __init__(self, rank: int, world_size: int, log: bool = False):
-        self.rank = rank
-        self.status = self.ctx.Array("c", _STATUS_LEN, lock=False)
-        # [status changes, CPU seconds, time of the last heartbeat] (deadline.py)
-        self.progress = self.ctx.Array("d", 3, lock=False)
-        self.parent_conn, self.child_conn = self.ctx.Pipe(duplex=True)
-        self.log_fd = append_only_file() if log else None
-
-    def start(self, target, args):
-        self.process = self.ctx.Process(
-            target=target, daemon=True,
-            args=(*args, self.child_conn, self.status, self.progress, self.log_fd, os.getpid()))
-        self.process.start()
-        self.child_conn.close()
-
-    def tell_port(self, port: int):
-        try:
-            self.parent_conn.send_bytes(str(port).encode())
-        except OSError:  # it died already: its sentinel says so, with its exit code
-            pass
-
-    def doing(self) -> str:
-        return self.status.value.decode(errors="replace") or "starting up"
-
-    def log(self) -> str:
-        return "" if self.log_fd is None else read_log(self.log_fd)
-
-    def kill(self):
-        p = getattr(self, "process", None)
-        if p is not None and p.is_alive():
-            p.kill()
-            p.join(5)
-        if self.log_fd is not None:
-            os.close(self.log_fd)
-            self.log_fd = None
-
-
-def _meet_at(store, ranks: list[_Rank]):
-    """Tell the forked ranks the port of the store they meet at, which is started only after
-    the forks: a rank forked while the store's server thread ran could inherit a lock that
-    thread held. Returns the store, for the caller to keep until the ranks are done."""
-    for r in ranks:
-        r.tell_port(store.port)
-    return store
-
-
-def _enter_rank(rank: int, world_size: int, conn, status, progress, parent_pid: int) -> tuple:
-    """What every forked rank does first; returns the port of the store the ranks meet at
-    (the parent's first message) and the function that publishes what the rank is doing."""
-    # A forked child whose parent already used torch's thread pool deadlocks at its first
-    # matmul unless it resets the pool to one thread (with 2 threads, or untouched, it hangs:
-    # OpenMP is not fork-safe). GPU ranks too: their CPU work (batches, init) is small. Under
-    # torchrun nothing is forked and torchrun's OMP_NUM_THREADS decides.
-    torch.set_num_threads(1)
-    global _in_worker
-    _in_worker = True
-    # Die with the parent, even when it is SIGKILLed (a crashed notebook kernel, a killed
-    # pytest): each rank inherited a copy of its own pipe's parent end, so it would never see
-    # that pipe close and would wait on it forever. Linux only (prctl PR_SET_PDEATHSIG = 1).
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-    port = int(conn.recv_bytes())   # the parent's first message (it kills us if it fails first)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
-
-    def publish(what: str):
-        status.value = what.encode()[:_STATUS_LEN - 1]
-        progress[0] += 1
-
-    comm.set_status_hook(publish)
-    publish("init_process_group")
-    return port, publish
 
 
 def _child_main(rank, world_size, backend, timeout, fn, args, kwargs, conn, status,
@@ -270,34 +181,6 @@ def _wait_for_replies(ranks: list[_Rank], replies: dict[int, tuple], timeout: fl
                                     f"while in: {r.doing()}")
 
 
-def _raise_if_a_peer_died(ranks: list[_Rank], replies: dict[int, tuple]) -> None:
-    """When a peer dies, the survivors' collectives fail too ("connection reset by peer"),
-    sometimes before the parent has seen the death: look for it briefly before blaming them."""
-    alive = [o for o in ranks if o.rank not in replies]
-    if alive:
-        mp.connection.wait([o.process.sentinel for o in alive], timeout=0.5)
-    for o in alive:
-        if o.process.exitcode is not None:
-            raise RankError(f"rank {o.rank} died with {_exit_reason(o.process.exitcode)} "
-                            f"while in: {o.doing()}")
-
-
-def _raise_if_a_peer_stalled(deadline: Deadline, timeout: float, waiter, error: str,
-                             others: list) -> None:
-    """A collective that timed out names the rank that waited; blame the peer that made no
-    progress while it waited (stopped, frozen, or blocked outside any collective)."""
-    if "timed out" not in error.lower():
-        return
-    stalled = deadline.stalled(others, min_idle=0.5 * timeout)
-    if not stalled:
-        return
-    r, idle, frozen = stalled[0]
-    why = ("no heartbeat either: the process is stopped, e.g. SIGSTOP or a debugger, or frozen"
-           if frozen else "no CPU, no collective: blocked outside minitron.comm")
-    raise RankError(f"rank {r.rank} made no progress for {idle:.0f} s ({why}) while in: "
-                    f"{r.doing()}; rank {waiter.rank} timed out waiting for it:\n{error}")
-
-
 def _echo(ranks: list[_Rank], replies: dict[int, tuple], echo: bool, failed: bool) -> None:
     """Each rank's prints, in rank order; its log too when the run failed (or when asked)."""
     if not echo:
@@ -309,12 +192,6 @@ def _echo(ranks: list[_Rank], replies: dict[int, tuple], echo: bool, failed: boo
         for text, stream in ((out, sys.stdout), (err, sys.stderr)):
             for line in text.splitlines():
                 print(f"[rank {r.rank}] {line}", file=stream)
-
-
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"signal {signal.Signals(-code).name}"
-    return f"exit code {code}"
 
 
 def _import_before_forking() -> None:

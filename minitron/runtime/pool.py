@@ -11,8 +11,9 @@ import traceback
 from typing import Any, Callable
 
 from .deadline import Deadline, heartbeat
-from .launch import (DEFAULT_TIMEOUT, RankError, _enter_rank, _exit_reason, _meet_at,
-                     _raise_if_a_peer_died, _raise_if_a_peer_stalled, _Rank)
+from .launch import DEFAULT_TIMEOUT
+from .rank_failures import RankError, _exit_reason, _raise_if_a_peer_died, _raise_if_a_peer_stalled
+from .rank_process import _enter_rank, _meet_at, _Rank
 from .process_group import check_can_fork, init_process_group, pick_backend, rendezvous_store
 from .rank_output import dumps_for_parent
 
