@@ -252,3 +252,13 @@ def test_a_wrong_shape_is_an_error_not_a_broadcast():
     e = {"final_norm.weight": torch.ones(4)}
     with pytest.raises(ValueError, match=r"final_norm.weight: the parallel side's shape \(1, 4\)"):
         grad_rows(0, {"final_norm.weight": torch.ones(1, 4)}, e, tol=1e-6)
+
+
+def test_summary_says_pass_with_its_margin_or_fail_with_its_ratio():
+    from minitron.verify.report import Report, Row
+    wide = Report([Row(0, "loss", 1e-3, 4e-3), Row(0, "grad w", 1e-4, 1e-2)])
+    narrow = Report([Row(0, "loss", 2e-3, 4e-3)])
+    failed = Report([Row(1, "grad w", 1.9e-2, 1e-2), Row(1, "loss", 1e-3, 4e-3)])
+    assert wide.summary() == "PASS, every error at most 1/3 of its tolerance: True"
+    assert narrow.summary() == "PASS, every error at most 1/3 of its tolerance: False"
+    assert failed.summary() == "FAIL, worst: step 1 grad w, 2x its tolerance"

@@ -60,6 +60,18 @@ class Report:
         return (f"FAIL {len(self.failures)} of {len(self.rows)} comparisons; worst: step "
                 f"{w.step} {w.quantity}: {where}")
 
+    def summary(self, margin: float = 3.0) -> str:
+        """The verdict in words that hold on any CPU, for the lessons' 16-bit runs (whose errors'
+        digits move with the CPU's summation order): a pass, and whether every error is at most
+        1/margin of its tolerance; or a fail, its worst quantity and how many times its tolerance
+        that error is, to one significant figure."""
+        if self.passed:
+            w = self.worst([r for r in self.rows if r.tol] or self.rows)
+            return f"PASS, every error at most 1/{margin:g} of its tolerance: {_ratio(w) <= 1 / margin}"
+        w = self.worst(self.failures)
+        times = "inf" if _ratio(w) == float("inf") else f"{float(f'{_ratio(w):.1g}'):g}"
+        return f"FAIL, worst: step {w.step} {w.quantity}, {times}x its tolerance"
+
 
 def _ratio(r: Row) -> float:
     """err / tol; inf for NaN and for any difference where none is allowed."""
