@@ -13,7 +13,7 @@ from minitron import refusals
 from minitron.grid import ParallelConfig
 from minitron.config import ModelConfig
 from minitron.pipeline.schedules import SCHEDULES, make_schedule
-from minitron.refusals import TABLE, Options, Refused
+from minitron.refusals import TABLE, Refused
 from minitron.train import cli as train_cli
 from minitron.train.engine import check_supported
 from minitron.verify import cli as verify_cli

@@ -37,7 +37,7 @@ class ZeroStage3(GradientEngine):
     optimizer only writes it after the step): every micro-batch sees the same weights.
 
     Experts: an MoE layer's expert weights are summed over dp_cp, the ranks that hold the same
-    experts (ddp.py), not dense_dp; so they form a unit of their own (split_expert_units), sharded
+    experts (ddp.py), not dense_dp; so they form a unit of their own (split_units), sharded
     over dp_cp and gathered around the experts' forward and backward inside the layer's unit
     (split_units),
     whose dense weights are sharded over dense_dp as usual. Both are averaged by 1/dense_dp, as
@@ -77,7 +77,7 @@ class ZeroStage3(GradientEngine):
     grid.embedding, Megatron's _allreduce_word_embedding_grads on 1/N of the bytes, and both
     copies take the same step. With the first and last stage on one rank (ZB-V, DualPipeV) the
     one weight's two uses interleave across micro-batches, which a held unit cannot follow:
-    refused (minitron/refusals.py).
+    refused (minitron/refusals/).
 
     Pipelines (PipelineGPT: only this rank's stages; one unit per layer it holds) need nothing
     more: a stage runs its units' forwards m times and their backwards m times, each with its

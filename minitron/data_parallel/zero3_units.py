@@ -25,7 +25,7 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 def _kind(p: nn.Parameter) -> str:
     """experts: summed over dp_cp (moe/layer.py marks them allreduce = False); tied: a pipeline's
-    tied embedding, summed over grid.embedding too (pipeline/partition.py); else dense."""
+    tied embedding, summed over grid.embedding too (model/stages.py); else dense."""
     if getattr(p, "allreduce", True) is False:
         return "experts"
     return "tied" if getattr(p, "shared_embedding", False) else "dense"

@@ -35,7 +35,7 @@ Not counted: the embedding's and output layer's activations (the logits and the 
 temporary buffers, allocator fragmentation and the CUDA context: the total is a floor.
 Experts: each MoE layer's experts are split over ep (and tp) ranks, so a rank holds
 n_experts/ep of them; their gradients and optimizer state are sharded by ZeRO over the ranks
-holding the same experts (dp), the dense weights' over dp x ep (grid.py's dense_dp). A MoE
+holding the same experts (dp), the dense weights' over dp x ep (minitron/grid/'s dense_dp). A MoE
 layer's MLP hidden activations count topk times (each token visits topk experts; on average a
 rank's experts take b s topk tokens whatever ep is); the router's are not counted.
 """

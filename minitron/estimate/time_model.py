@@ -53,7 +53,7 @@ backward; gradient-accumulation fusion; the bytes of a reduced gradient.
 A group's bandwidth is minitron/hardware.py's link model: inside a node, NVLink's; a ring
 collective that crosses nodes with k members per node gets k NICs' worth (NCCL's rings leave the
 node once per NIC), at most NVLink's; a send (PP) or an all-to-all (EP) leaves through the GPU's
-own NIC. Members per node follow the tp-cp-ep-dp-pp rank layout of minitron/grid.py (tp fastest).
+own NIC. Members per node follow the tp-cp-ep-dp-pp rank layout of minitron/grid/ (tp fastest).
 Latency is alpha-beta per ring step: a ring collective of n ranks takes n - 1 steps per phase and
 pays the link's latency (hardware.GPU.*_latency, one hop's) at each, so it grows linearly with the
 group as NCCL's ring algorithm does.
@@ -69,7 +69,7 @@ from ..hardware import GPU, point_to_point_link, ring_link, ring_seconds
 from .shape import expert_ffn, mlp_matrices, shared_experts
 from .software import SOFTWARE, Software, software as named_software
 
-DIMS = ("tp", "cp", "ep", "dp", "pp")   # fastest first, as minitron/grid.py lays ranks out
+DIMS = ("tp", "cp", "ep", "dp", "pp")   # fastest first, as minitron/grid/ lays ranks out
 SCHEDULE_BUBBLE = {"1f1b": 1.0, "gpipe": 1.0, "interleaved": 1.0, "zb-h1": 1 / 3}
 ADAM_BYTES = 28            # read+write fp32 master, m, v (24), read the grad, write the 16-bit copy
 

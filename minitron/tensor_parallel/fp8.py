@@ -31,7 +31,7 @@ Amax reduction. Each rank holds a piece of a logical tensor: a column shard of a
 slice of a row-parallel layer's input features, its rows of the batch (dp), its chunks of the
 sequence (cp). Scaled by its own amax, each piece would be cast on its own grid, and no two
 ranks (nor one device) would cast the same tensor alike. So, as Megatron-Core configures
-Transformer Engine, every amax is all-reduced (max) over the amax group, tp x cp x dp (the
+Transformer Engine, every amax is all-reduced (max) over the amax group, tp x cp x ep x dp (the
 dense replicas, grid.AMAX_DIMS), before a scale is taken from it: every rank casts one
 logical tensor with one scale, the scale one device would take (FP8Recipe(reduce_amax=False)
 keeps the per-rank amaxes; --no-fp8-amax-reduce). A dp or cp rank's gradients are those of its
@@ -74,7 +74,7 @@ class FP8Recipe:
     scaling: str = "delayed"
     history_len: int = 16
     margin: int = 0
-    reduce_amax: bool = True      # all-reduce every amax over tp x cp x dp (module docstring)
+    reduce_amax: bool = True      # all-reduce every amax over tp x cp x ep x dp (module docstring)
 
     def __post_init__(self):
         if self.scaling not in RECIPES:

@@ -154,7 +154,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def enable_fp8(model: nn.Module, recipe: FP8Recipe, group=None) -> list[str]:
     """Give every tensor-parallel linear layer of the blocks an FP8State (the others, KEEP_BF16,
-    stay as they are), its amaxes reduced over `group` (the grid's amax group, tp x cp x dp,
+    stay as they are), its amaxes reduced over `group` (the grid's amax group, tp x cp x ep x dp,
     unless recipe.reduce_amax is off); returns the names of the layers now in FP8."""
     names = []
     for name, module in model.named_modules():

@@ -129,7 +129,7 @@ def _optimizer_flats(optimizer) -> list[tuple[str, torch.Tensor]]:
 
 # ---- load ------------------------------------------------------------------------------------
 # ---- FP8: the scalers' amax histories, scales and uses (tensor_parallel/fp8.py) -----------------
-# With the amaxes reduced over tp x cp x dp every rank holding a layer holds the same scaler
+# With the amaxes reduced over tp x cp x ep x dp every rank holding a layer holds the same scaler
 # state, so one copy per layer, taken over the pipeline's stages, is the checkpoint's (in the
 # manifest: float32 values survive JSON exactly). Without the reduction (--no-fp8-amax-reduce)
 # each rank's differs, and the copy kept is that of the stage's first ranks.

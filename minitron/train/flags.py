@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
            "tensor's own amax (current)")
     o("--no-fp8-amax-reduce", dest="fp8_amax_reduce", action="store_false",
       help="with --dtype fp8: each rank scales its own pieces by their own amax (default: amaxes "
-           "all-reduced over tp x cp x dp, one scale per logical tensor, as Megatron-Core)")
+           "all-reduced over tp x cp x ep x dp, one scale per logical tensor, as Megatron-Core)")
     r = p.add_argument_group("run").add_argument
     r("--seed", type=int, default=0)
     r("--corpus", default=os.path.join(os.path.dirname(__file__), "..", "..", "data", "corpus.txt"))

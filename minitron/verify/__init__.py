@@ -52,7 +52,7 @@ same casting points: 16-bit weights and activations, fp32 master weights (the sp
 the data-parallel engine, the reference through precision.MasterWeightsAdamW), float16's loss
 scaled by a fixed 1024 on both sides; under fp8 (`--fp8-recipe delayed|current`) the same FP8
 GEMMs on both sides (tensor_parallel/fp8_linear.py; the reference fuses q, k, v and [gate; up]
-into one GEMM and one scale each, as the split does) with the amaxes reduced over tp x cp x dp,
+into one GEMM and one scale each, as the split does) with the amaxes reduced over tp x cp x ep x dp,
 so each cast uses the scale one device uses. A bar derived from eps16 cannot tell a 1% error
 from bf16's own 0.8% rounding, so these runs are judged against the noise of their own
 precision, measured each step (verify/noise.py, checks.noise_rows): six twins of the reference

@@ -279,7 +279,7 @@ SCALE_FLOOR = 1 / 16   # log2: an amax one device and a split see a few bf16 rou
 
 
 def scale_row(step: int, scales: torch.Tensor, ref, twins) -> Row:
-    """With the amaxes reduced over tp x cp x dp every cast must use the scale one device uses:
+    """With the amaxes reduced over tp x cp x ep x dp every cast must use the scale one device uses:
     the largest |log2(scale / the reference's)| over every scaler, against C_NORM times the
     twins' (at least SCALE_FLOOR: 4%, a few roundings of a bf16 amax)."""
     def of(model):
