@@ -35,14 +35,7 @@ class ConfigError(ValueError):
 
     def _render(self, flags: dict[str, str] | None) -> str:
         def name(field, value, fix=False):
-            flag = field if field.startswith("--") else None if flags is None else flags.get(field)
-            if flag is None:
-                return f"{field}={value!r}"
-            if value is True:
-                return flag
-            if value is False or value is None:
-                return f"drop {flag}" if fix else f"no {flag}"
-            return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+            return option_name(field, value, flags, fix)
 
         text = self.template.format(**{f: name(f, v) for f, v in self.values.items()})
         if self.note and flags is None:
@@ -51,6 +44,19 @@ class ConfigError(ValueError):
             text += "; use " + " or ".join(" ".join(name(f, v, fix=True) for f, v in fix.items())
                                            for fix in self.fixes)
         return text
+
+
+def option_name(field: str, value, flags: dict[str, str] | None, fix: bool = False) -> str:
+    """An option as a command line writes it, `--flag value` (a switch alone; False or None:
+    `drop --flag` in a fix), when `flags` names its flag (or `field` is one); else `field=value`."""
+    flag = field if field.startswith("--") else None if flags is None else flags.get(field)
+    if flag is None:
+        return f"{field}={value!r}"
+    if value is True:
+        return flag
+    if value is False or value is None:
+        return f"drop {flag}" if fix else f"no {flag}"
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
 def near(candidates, want) -> list:

@@ -20,8 +20,9 @@ passes the table, and that each row's example is refused by both command lines.
 Not here: a value out of range or a size that does not divide (ModelConfig, ParallelConfig,
 model/splits.py, the flags' own checks) and a flag that means nothing without another (--sp
 without tp > 1, --fp8-recipe without --dtype fp8): those are bad input, not combinations.
-This package imports nothing else of minitron, so every floor may read it: options.py (what a
-run combines), refused.py (the error and its flags), table.py (the rows), readme.py (shown).
+This package imports only config.py's option_name (both errors name options alike), so every
+floor may read it: options.py (what a run combines), refused.py (the error and its flags),
+table.py (the rows), readme.py (shown).
 """
 from .options import LEVELS, SIXTEEN_BIT, V_SHAPED, Options
 from .readme import BEGIN, END, _example_options, example_options, main, markdown, with_table

@@ -2,6 +2,8 @@
 command line (FLAGS), `field=value` for Python."""
 from __future__ import annotations
 
+from ..config import option_name as _name
+
 class Refused(ValueError):
     """A refused combination: names the options (`--flag value` through as_flags, for a command
     line; `field=value` as str, for Python), why, and options that work (its fixes)."""
@@ -24,18 +26,6 @@ class Refused(ValueError):
     def _render(self, flags: dict[str, str] | None) -> str:
         text = self.template.format(**{f: _name(f, v, flags) for f, v in self.values.items()})
         return text + ("; use " + self.fixes_text(flags) if self.fixes else "")
-
-
-def _name(field: str, value, flags: dict[str, str] | None, fix: bool = False) -> str:
-    """`--flag value` (a switch alone; False or None: `drop --flag` in a fix), or `field=value`."""
-    flag = None if flags is None else flags.get(field)
-    if flag is None:
-        return f"{field}={value!r}"
-    if value is True:
-        return flag
-    if value is False or value is None:
-        return f"drop {flag}" if fix else f"no {flag}"
-    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
 # Options' fields -> the flags both command lines give them
