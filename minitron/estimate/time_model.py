@@ -61,15 +61,14 @@ group as NCCL's ring algorithm does.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..config import ModelConfig
 from .flops import iteration_flops
-from ..hardware import GPU, point_to_point_link, ring_link, ring_seconds
+from ..hardware import GPU, ring_seconds
+from .devices import _linear_seconds, gemm_seconds, link, members_per_node   # gemm_seconds: lesson 13 imports it here
 from .shape import expert_ffn, mlp_matrices, shared_experts
 from .software import SOFTWARE, Software, software as named_software
 
-DIMS = ("tp", "cp", "ep", "dp", "pp")   # fastest first, as minitron/grid/ lays ranks out
 SCHEDULE_BUBBLE = {"1f1b": 1.0, "gpipe": 1.0, "interleaved": 1.0, "zb-h1": 1 / 3}
 ADAM_BYTES = 28            # read+write fp32 master, m, v (24), read the grad, write the 16-bit copy
 
@@ -138,39 +137,6 @@ class Breakdown:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
-
-
-def gemm_seconds(m: int, n: int, k: int, gpu: GPU, batch: int = 1, tile: int = 128) -> float:
-    """One (batched) 16-bit GEMM [m, k] x [k, n]: roofline with wave quantization."""
-    tiles = batch * math.ceil(m / tile) * math.ceil(n / tile)
-    waves = math.ceil(tiles / gpu.sms)
-    fill = tiles / (waves * gpu.sms)
-    compute = 2 * batch * m * n * k / (gpu.peak_flops * gpu.matmul_eff * fill)
-    memory = 2 * batch * (m * k + k * n + m * n) / (gpu.hbm_bw * gpu.hbm_eff)
-    return max(compute, memory)
-
-
-def _linear_seconds(m: int, n: int, k: int, gpu: GPU, batch: int = 1) -> tuple[float, float]:
-    """(forward, backward) of y = x W: backward is dX = dY W^T and dW = X^T dY."""
-    fwd = gemm_seconds(m, n, k, gpu, batch)
-    return fwd, gemm_seconds(m, k, n, gpu, batch) + gemm_seconds(k, n, m, gpu, batch)
-
-
-def members_per_node(dim: str, par: Parallel, gpus_per_node: int) -> int:
-    """How many of a `dim` group's members share a node (1 when groups straddle nodes unevenly)."""
-    stride = math.prod(getattr(par, d) for d in DIMS[:DIMS.index(dim)])
-    size = getattr(par, dim)
-    if stride * size <= gpus_per_node:
-        return size if gpus_per_node % (stride * size) == 0 else 1
-    return gpus_per_node // stride if gpus_per_node % stride == 0 and stride < gpus_per_node else 1
-
-
-def link(dim: str, par: Parallel, cluster: Cluster, point_to_point: bool = False) -> tuple[float, float]:
-    """(bytes/s, latency s) of one member of group `dim`, from where its members sit."""
-    k, size = members_per_node(dim, par, cluster.gpus_per_node), getattr(par, dim)
-    if point_to_point:                    # the link model is minitron/hardware.py's
-        return point_to_point_link(cluster.gpu, crosses_nodes=k < size)
-    return ring_link(cluster.gpu, size, k)
 
 
 def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, moe: bool,
