@@ -4,8 +4,6 @@
              the learner's namespace, the check would print the reference's verdicts: each must
              fail at the check named (§2);
   different  a right answer of another type or form than the reference's: each must pass (§3);
-  splits     exercise 08's split sizes that disagree with its counts (right on Check 1's data):
-             Check 2 says so in words, not with gloo's enforce message.
 (The input transformer that replays the stored outputs is planted in every exercise's unsolved
 notebook by test_grading.py; the tamperings of the kernel's machinery on the tiny course are in
 test_grading_tamper.py.)
@@ -94,18 +92,6 @@ def balanced_chunks(cp, rank):
 '''}, "Check 1"),
 }
 
-PERMUTE = '''def permute(experts, keep):
-    flat = experts.reshape(-1)
-    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
-    return kept[torch.sort(flat[kept], stable=True).indices]
-'''
-SPLIT_SIZES = '''
-
-def split_sizes(pair_experts, n_experts, ep):
-    counts = torch.bincount(pair_experts, minlength=n_experts)
-    return counts, counts.view(ep, -1).sum(1).tolist()
-'''
-
 DIFFERENT = {  # name: (exercise, {answer cell id: source}): right answers the checks must accept
     "06_tuple": ("06_data_parallel_and_zero.ipynb", {"e06c000a": '''def bucket_of(sizes, bucket_numel):
     index, bucket, filled = [0] * len(sizes), 0, 0
@@ -116,35 +102,12 @@ DIFFERENT = {  # name: (exercise, {answer cell id: source}): right answers the c
             bucket, filled = bucket + 1, 0
     return tuple(index)
 '''}),
-    "08_lists": ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
-    flat, kept = experts.reshape(-1).tolist(), keep.reshape(-1).tolist()
-    return sorted((j for j in range(len(flat)) if kept[j]), key=lambda j: flat[j])   # a list of ints
-
-
-def split_sizes(pair_experts, n_experts, ep):
-    counts = [int((pair_experts == e).sum()) for e in range(n_experts)]             # a list of ints
-    per_rank = n_experts // ep
-    return counts, tuple(sum(counts[j * per_rank:(j + 1) * per_rank]) for j in range(ep))
-'''}),
+    "08_lists": ("08_expert_parallel.ipynb", {"c23dfea5": None}),          # filled below
     "11_division": ("11_memory_recompute_checkpoint.ipynb", {"e110003": None}),  # the solution with / for //
-    # issue 31's five correct answers that failed when check cells printed text
-    "08_histc_floats": ("08_expert_parallel.ipynb", {"c23dfea5": PERMUTE + '''
-
-def split_sizes(pair_experts, n_experts, ep):
-    counts = torch.histc(pair_experts.float(), bins=n_experts, min=0, max=n_experts - 1)   # floats
-    return counts, counts.view(ep, -1).sum(1).tolist()
-'''}),
-    "08_user_warning": ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
-    flat = torch.tensor(experts).reshape(-1)        # UserWarning on stderr: copy-constructing a tensor
-    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
-    return kept[torch.sort(flat[kept], stable=True).indices]
-''' + SPLIT_SIZES}),
-    "08_debug_print": ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
-    flat = experts.reshape(-1)
-    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
-    print("debug: kept pairs", kept.tolist())
-    return kept[torch.sort(flat[kept], stable=True).indices]
-''' + SPLIT_SIZES}),
+    # issue 31's correct answers that failed when check cells printed text
+    "08_histc_floats": ("08_expert_parallel.ipynb", {"c23dfea5": None}),
+    "08_user_warning": ("08_expert_parallel.ipynb", {"c23dfea5": None}),
+    "08_debug_print": ("08_expert_parallel.ipynb", {"c23dfea5": None}),
     "14_return_0": ("14_real_multi_gpu.ipynb", {"c14s07": '''def two_level_seconds(nbytes, nodes, per_node, inside, across):
     def ring(n, payload, link, phases):
         if n == 1:
@@ -170,16 +133,52 @@ def idle_parts(events, pp):
 '''}),
 }
 
-SPLITS = ("08_expert_parallel.ipynb", {"c23dfea5": '''def permute(experts, keep):
-    flat = experts.reshape(-1)
-    kept = torch.nonzero(keep.reshape(-1)).squeeze(1)
-    return kept[torch.sort(flat[kept], stable=True).indices]
+# exercise 08's answers of another form, each one function of the solution replaced
+EIGHT = {
+    "08_lists": {  # lists of ints and of bools, and a float, where the solution returns tensors
+        "sequence_counts": '''def sequence_counts(experts, rows, n_experts):
+    per_row, out = len(experts) // rows, [[0] * n_experts for _ in range(rows)]
+    for t, chosen in enumerate(experts.tolist()):
+        for e in chosen:
+            out[t // per_row][e] += 1
+    return out
+''',
+        "keep_pairs": '''def keep_pairs(experts, rows, cap, offsets):
+    per_row, queues, keep = len(experts) // rows, [[int(n) for n in r] for r in offsets.tolist()], []
+    for t, chosen in enumerate(experts.tolist()):
+        queue = queues[t // per_row]
+        for e in chosen:
+            queue[e] += 1
+        keep.append([queue[e] <= cap for e in chosen])
+    return keep
+''',
+        "gather_bytes": '''def gather_bytes(rows, n_experts, ranks):
+    return 8.0 * rows * n_experts * (ranks - 1)
+'''},
+    "08_histc_floats": {"sequence_counts": '''def sequence_counts(experts, rows, n_experts):
+    return torch.stack([torch.histc(r.float(), bins=n_experts, min=0, max=n_experts - 1)   # floats
+                        for r in experts.reshape(rows, -1)])
+'''},
+    "08_user_warning": {"sequence_counts": '''def sequence_counts(experts, rows, n_experts):
+    flat = torch.tensor(experts)        # UserWarning on stderr: copy-constructing a tensor
+    return torch.nn.functional.one_hot(flat, n_experts).sum(1).view(rows, -1, n_experts).sum(1)
+'''},
+    "08_debug_print": {"keep_pairs": '''def keep_pairs(experts, rows, cap, offsets):
+    print("debug: offsets", offsets.tolist())
+    chosen = torch.nn.functional.one_hot(experts, offsets.shape[-1]).sum(1).view(rows, -1, offsets.shape[-1])
+    place = (chosen.cumsum(1) + offsets[:, None, :]).view(-1, offsets.shape[-1])
+    return place.gather(-1, experts) <= cap
+'''},
+}
 
 
-def split_sizes(pair_experts, n_experts, ep):
-    counts = torch.bincount(pair_experts, minlength=n_experts)
-    return counts, sorted(counts.view(ep, -1).sum(1).tolist())   # wrong: sorted, no longer per rank
-'''})
+def _with_functions(source: str, functions: dict[str, str]) -> str:
+    """`source` with each named top-level function replaced by the given definition."""
+    blocks = source.split("\n\n\n")
+    for name, new in functions.items():
+        at = next(i for i, b in enumerate(blocks) if b.lstrip().startswith(f"def {name}("))
+        blocks[at] = new.rstrip("\n")
+    return "\n\n\n".join(blocks)
 
 
 def _solution_cell(name: str, cell_id: str) -> str:
@@ -198,7 +197,11 @@ def _filled() -> dict[str, tuple[str, dict[str, str]]]:
     division = _solution_cell("11_memory_recompute_checkpoint.ipynb", "e110003").replace("//", "/")
     assert "//" not in division and "/ t" in division      # the answer in floats, not ints
     DIFFERENT["11_division"][1]["e110003"] = division
-    return {**{k: v[:2] for k, v in TAMPERED.items()}, **DIFFERENT, "08_splits": SPLITS}
+    eight = _solution_cell("08_expert_parallel.ipynb", "c23dfea5")
+    for key, functions in EIGHT.items():
+        DIFFERENT[key][1]["c23dfea5"] = _with_functions(eight, functions)
+        assert DIFFERENT[key][1]["c23dfea5"] != eight
+    return {**{k: v[:2] for k, v in TAMPERED.items()}, **DIFFERENT}
 
 
 @pytest.fixture(scope="module")
@@ -226,12 +229,3 @@ def test_a_rebound_name_reaches_no_check(key, graded):
 def test_a_right_answer_of_another_type_passes(key, graded):
     grades, lines = graded
     assert grades[key].passed, "\n".join(lines)
-
-
-def test_split_sizes_that_disagree_are_said_in_words(graded):
-    grades, lines = graded
-    g = grades["08_splits"]
-    assert "FAIL at Check 2" in g.summary, g.summary
-    assert "rows per ep rank: yours is 'counts and split sizes disagree with the kept pairs on a rank'" \
-        in g.summary, g.summary
-    assert "enforce" not in "\n".join(lines).lower(), "\n".join(lines)
