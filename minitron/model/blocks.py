@@ -129,7 +129,10 @@ class ParallelAttention(nn.Module):
             s = s_cp * self.ctx.grid.cp.size
             shape = (b, self.cfg.n_heads, s, s)
             like = q.new_empty(()).expand(b, self.heads, s, s)   # only its shape and device are read
-            drop = rng.local_mask(like, p, (slice(None), heads), shape).to(q.dtype) / (1.0 - p)
+            # keep/(1-p) in the blocks' wide dtype: 1/0.9 rounded to bfloat16 is 0.16% short,
+            # a bias every kept probability would carry (the reference rounds x/(1-p) per entry)
+            wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+            drop = rng.local_mask(like, p, (slice(None), heads), shape).to(wide) / (1.0 - p)
         return context_parallel_attention(q, k, v, self.ctx.grid,
                                           variant=self.ctx.grid.config.cp_variant, causal=True,
                                           scale=self.cfg.head_dim ** -0.5,
