@@ -152,6 +152,9 @@ class ModelConfig:
     #                                       global aux loss), "replica" each dp x ep replica's own
     expert_bias: bool = False             # aux-loss-free balancing (DeepSeek-V3): a per-expert
     #                                       bias added to the scores for choosing only
+    bias_update_rate: float = 1e-3        # gamma: after every optimizer step each expert's bias
+    #                                       moves by +-gamma toward the mean load (DeepSeek-V3's
+    #                                       0.001; Megatron-Core's moe_router_bias_update_rate)
 
     def __post_init__(self):
         for field in ("vocab_size", "seq_len", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
@@ -188,8 +191,17 @@ class ModelConfig:
         if type(self.n_experts) is not int or self.n_experts < 0:
             raise ConfigError("{n_experts} must be an integer >= 0 (0: dense MLPs)",
                               {"n_experts": self.n_experts}, [{"n_experts": 0}], note="ModelConfig.n_experts")
+        if self.expert_bias and not self.n_experts:
+            raise ConfigError("{expert_bias} steers the routers of MoE layers, and {n_experts} "
+                              "has none", {"expert_bias": True, "n_experts": 0},
+                              [{"n_experts": 4}, {"expert_bias": False}])
         if not self.n_experts:
             return
+        rate = self.bias_update_rate
+        if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and 0 < rate < math.inf):
+            raise ConfigError("{bias_update_rate} must be a finite number > 0 (the bias step per "
+                              "optimizer step)", {"bias_update_rate": rate},
+                              [{"bias_update_rate": 1e-3}])
         if type(self.topk) is not int or not 1 <= self.topk <= self.n_experts:
             raise ConfigError("{topk}: each token picks topk of the {n_experts} experts, "
                               f"1 <= topk <= {self.n_experts}",

@@ -21,6 +21,11 @@ The auxiliary losses and the statistics are those of the whole micro-batch (aux_
 arranged so that the data-parallel mean (and the tp sum, through g) of the ranks' terms is the
 single-device number (router.aux_losses). "replica" sums them over cp (and tp) only: each dp x ep
 replica balances its own tokens, and the objective changes with the layout.
+
+With cfg.expert_bias (aux-loss-free balancing, moe/balance.py) each forward also adds this
+rank's own counts to `step_load`; after the optimizer step they are summed over load_groups()
+(always the global scope's groups: the bias is one state of the replicated router, so every
+replica must apply the same update) and the bias moves.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from .. import refusals
 from ..runtime import comm
 from ..grid import Grid
 from ..tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from .balance import ExpertBias
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts
 from .router import aux_losses, apply_capacity, choice_counts, route, tokens_per_expert
@@ -39,7 +45,7 @@ from ..config import ModelConfig
 DISPATCHERS = ("alltoall", "allgather")
 
 
-class ParallelMoE(nn.Module):
+class ParallelMoE(ExpertBias):
     """This rank's share of one MoE layer; forward(x [b, s_local, h]) -> [b, s_local, h]."""
 
     def __init__(self, cfg: ModelConfig, grid: Grid, dispatcher: str = "alltoall"):
@@ -52,8 +58,7 @@ class ParallelMoE(nn.Module):
         ep, tp = grid.ep.size, grid.tp.size
         self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg, cfg.n_experts // ep, tp)
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if cfg.expert_bias else None,
-                             persistent=False)
+        self._init_expert_bias(cfg)                    # float32, outside the state dict (balance.py)
         for p in self.experts.parameters():
             p.allreduce = False                        # reduced over dp_cp (data_parallel/ddp.py)
         self.router.weight.sequence_parallel = self.sp
@@ -74,8 +79,13 @@ class ParallelMoE(nn.Module):
         ranks' loss terms are averaged over them (the first group's size). "global": every
         token of the micro-batch (dense_dp = dp x ep x cp); "replica": this dp x ep replica's
         own sequences only (cp), so the loss changes with the number of replicas."""
-        first = self.grid.dense_dp if self.cfg.aux_loss_scope == "global" else self.grid.cp
-        return [first] + ([self.grid.tp] if self.sp else [])
+        if self.cfg.aux_loss_scope == "global":
+            return self.load_groups()
+        return [self.grid.cp] + ([self.grid.tp] if self.sp else [])
+
+    def load_groups(self):
+        """Every rank holding other tokens of the batch: dense_dp, and tp under SP."""
+        return [self.grid.dense_dp] + ([self.grid.tp] if self.sp else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s_local, h = x.shape
@@ -90,6 +100,7 @@ class ParallelMoE(nn.Module):
         seq = s_local * (grid.tp.size if self.sp else 1)
         r = apply_capacity(r, cfg, rows=b, seq=seq, offsets=offsets)
         counts = tokens_per_expert(r, cfg.n_experts)
+        self.record_load(counts)                       # this rank's, before the sums below
         # Only the counts cross ranks: f_e is not differentiable, and P_e is linear in each
         # token's probabilities, so each rank's term carries its own tokens' share and the
         # gradient average over dense_dp (or the tp sum under SP) adds the shares up: no

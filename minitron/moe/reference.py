@@ -12,12 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .balance import ExpertBias
 from .experts import GroupedExperts
 from .router import Routing, apply_capacity, aux_losses, route, tokens_per_expert
 from ..config import ModelConfig
 
 
-class MoE(nn.Module):
+class MoE(ExpertBias):
     """forward(x [b, s, h]) -> [b, s, h]; after it, `aux_loss` (this layer's auxiliary losses),
     `tokens_per_expert` [E] (choices before dropping) and `routing` (which pairs were kept)."""
 
@@ -26,9 +27,8 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg, cfg.n_experts)
-        # Not in the state dict: updated outside backward from the counts (router.py)
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if cfg.expert_bias else None,
-                             persistent=False)
+        # Not in the state dict: updated after each optimizer step from the counts (balance.py)
+        self._init_expert_bias(cfg)
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.routing: Routing | None = None
@@ -49,6 +49,7 @@ class MoE(nn.Module):
         r = route(self.router(flat), self.cfg, self.expert_bias)
         r = apply_capacity(r, self.cfg, rows=b, seq=s)
         counts = tokens_per_expert(r, self.cfg.n_experts)
+        self.record_load(counts)
         self.aux_loss = aux_losses(r, self.cfg, counts, b * s)
         self.tokens_per_expert, self.routing = counts, r
         out = torch.zeros_like(flat)

@@ -9,7 +9,9 @@ expert. Two ways to turn them into k gates, as Megatron-Core offers (moe_router_
 With the optional expert bias (aux-loss-free balancing, DeepSeek-V3) a per-expert bias b is
 added to the scores for *choosing* only: the gates stay those of the unbiased scores, so b
 steers load without entering the function the model computes. It is updated outside
-backward: b_e += rate * sign(mean load - load_e) (see `update_expert_bias`).
+backward, after every optimizer step: b_e += rate * sign(mean load - load_e) (see
+`update_expert_bias`; the step's load summed over the ranks and micro-batches, moe/balance.py).
+b is float32 whatever the scores' dtype, so `scores + b` chooses in float32.
 
 Capacity (optional). Each expert takes at most C = ceil(capacity_factor * s * k / E) tokens
 of each sequence of s tokens; the rest of its tokens are dropped in sequence order (the first

@@ -16,7 +16,8 @@ What is saved, under these names:
   optimizer/{master,exp_avg,exp_avg_sq}/<reference name>   AdamW's state (ZeroOptimizer)
   manifest.json (rank 0)                  model and parallel config, step, dropout seed,
                                           optimizer step, caller's extra (data position,
-                                          loss scale), and every file's size and sha256
+                                          loss scale), the experts' biases (checkpoint_bias.py),
+                                          and every file's size and sha256
 ZeRO's flat shards do not map to rectangles of the reference tensors, so before saving each
 rank's optimizer shard is put back into whole tp-local tensors (one all-reduce over the
 sharding group, data_parallel/checks.py's way); loading cuts the owned elements out again. The
@@ -44,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from ..config import ModelConfig
 from ..runtime import comm
 from ..tensor_parallel.fp8_linear import SCALERS, named_fp8_states
+from .checkpoint_bias import biases_of_every_stage, load_biases
 from .checkpoint_pieces import (_local_to_state, _state_to_local, _write_weights, local_weights,
                                 placements)
 from .checkpoint_planners import CheckpointError, PlacedLoadPlanner, PlacedSavePlanner
@@ -53,7 +55,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
 # Fields that change how a model runs, not what its tensors are: free to differ on load.
-RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels", "recompute"}
+RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels", "recompute", "bias_update_rate"}
 
 
 # ---- save ------------------------------------------------------------------------------------
@@ -75,7 +77,7 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
         for kind, flat in _optimizer_flats(optimizer):
             placed.update(placements(_state_to_local(engine, flat), model, f"optimizer/{kind}/"))
     _refuse_non_finite(placed, grid, path)
-    fp8 = fp8_states_of_every_stage(model)          # collective over pp
+    fp8, biases = fp8_states_of_every_stage(model), biases_of_every_stage(model)   # over pp
     if grid.rank == 0:
         if os.path.exists(partial):
             shutil.rmtree(partial)        # left by a save that died
@@ -93,7 +95,7 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
                     "zero_stage": _zero_stage(engine),
                     "optimizer_step": optimizer.step_count if optimizer is not None else None,
                     "optimizer_states": [k for k, _ in _optimizer_flats(optimizer)] if optimizer else [],
-                    "extra": extra or {}, "fp8": fp8, "files": files}
+                    "extra": extra or {}, "fp8": fp8, "expert_bias": biases, "files": files}
         with open(os.path.join(partial, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -286,6 +288,7 @@ def load(path: str, model, engine=None, optimizer=None) -> dict:
             _dcp_read(path, placements(masters, model, source))
     _dcp_read(path, wanted)
     # Every check passed and every byte is read: only now change the model and optimizer.
+    load_biases(model, manifest.get("expert_bias"), path)      # checks its shape first
     _write_weights(model, engine, weights)
     model.rng.seed = manifest["dropout_seed"]   # masks are keyed by (seed, step, layer, row)
     load_fp8(model, manifest.get("fp8"), path)

@@ -20,7 +20,9 @@ benchmarks, the checkpoints and the lessons. What a run splits decides what is b
                  float64, bfloat16, float16, or fp8 = bfloat16 training (fp32 master weights and
                  Adam states) whose block GEMMs run in FP8 (tensor_parallel/fp8_linear.py)
 
-A step is forward_backward (train/step.py) then optimizer_step. grads(), weights() and
+A step is forward_backward (train/step.py) then optimizer_step, which ends with the experts'
+bias update of aux-loss-free balancing (ModelConfig.expert_bias, moe/balance.py: each layer's
+load summed over the step's micro-batches and the ranks holding other tokens). grads(), weights() and
 load_grads() read and write this rank's tensors in the reference's names, whatever shards
 them: the verifier reads the gradients, then loads the reference's and steps both optimizers
 on them, so the update is checked on its own.
@@ -40,6 +42,7 @@ from ..data_parallel.precision import LossScaler, optimizer_step
 from ..grid import ParallelConfig, build_grid
 from ..config import ModelConfig, check_number
 from ..model.convert import grads_state_dict
+from ..moe.balance import update_biases
 from ..moe.router import imbalance
 from ..model.stages import PipelineGPT
 from ..pipeline.schedules import V_SHAPED, make_schedule
@@ -168,11 +171,15 @@ class TrainingRun:
                                 loss_scale=self.loss_scale, keep_outputs=keep_outputs)
 
     def optimizer_step(self) -> dict:
-        """Unscale, clip (max_norm), step and zero the gradients; {'stepped', 'norm', 'scale'}."""
+        """Unscale, clip (max_norm), step and zero the gradients; {'stepped', 'norm', 'scale'}.
+        Then, with expert biases, move each by the step's load (collective over the load groups;
+        also when fp16's scaler skipped the step: the counts are real, moe/balance.py)."""
         if self.engine is None:
-            return self.side.step(self.max_norm)
-        out = optimizer_step(self.optimizer, self.engine, self.grid, self.scaler, max_norm=self.max_norm)
-        self.engine.zero_grad()
+            out = self.side.step(self.max_norm)
+        else:
+            out = optimizer_step(self.optimizer, self.engine, self.grid, self.scaler, max_norm=self.max_norm)
+            self.engine.zero_grad()
+        self.expert_loads = update_biases(self.model.moe_layers())   # [layers, E] or None
         return out
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, step: int) -> float:

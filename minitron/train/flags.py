@@ -64,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
     m("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
     m("--topk", type=int, default=2, help="experts per token")
     m("--capacity-factor", type=float, default=None, help="default dropless")
+    m("--balance", choices=BALANCE, default="aux-loss",
+      help="how the experts' load is balanced: the Switch auxiliary loss (coefficient 0.01), or "
+           "DeepSeek-V3's aux-loss-free per-expert router bias (no auxiliary loss)")
+    m("--bias-update-rate", type=float, default=None,
+      help="with --balance aux-free: how far each expert's bias moves per step (default 1e-3)")
     m("--aux-loss-scope", choices=CHOICES["aux_loss_scope"], default=None,
       help="whose tokens the balance loss counts in each micro-batch: every replica's (global, "
            "the default: the curve does not depend on dp x ep) or each dp x ep replica's own")
@@ -110,11 +115,31 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "norm": "--norm", "activation": "--activation", "position": "--position",
          "dropout": "--dropout", "recompute": "--recompute", "n_experts": "--experts", "topk": "--topk",
          "capacity_factor": "--capacity-factor", "aux_loss_scope": "--aux-loss-scope",
-         "lr": "--lr", "eps": "--eps", "dtype": "--dtype"}
+         "expert_bias": "--balance aux-free", "bias_update_rate": "--bias-update-rate", "lr": "--lr", "eps": "--eps", "dtype": "--dtype"}
 
 _MODEL_FLAGS = {"kv_heads": "n_kv_heads", "norm": "norm", "activation": "activation",
                 "position": "position", "dropout": "dropout", "recompute": "recompute",
                 "aux_loss_scope": "aux_loss_scope"}
+
+
+BALANCE = ("aux-loss", "aux-free")
+
+
+def balance_fields(args) -> dict:
+    """ModelConfig's balancing fields from --balance, --bias-update-rate and (verify) --aux-loss.
+    aux-free: the expert bias, and no Switch loss unless --aux-loss asks for one (DeepSeek-V3
+    keeps only a tiny sequence-wise loss, which minitron does not have)."""
+    free = args.balance == "aux-free"
+    if args.bias_update_rate is not None and not free:
+        raise UsageError(f"--bias-update-rate {args.bias_update_rate:g} moves the experts' biases "
+                         "of --balance aux-free: add --balance aux-free or drop --bias-update-rate")
+    out = {"expert_bias": free}
+    aux = getattr(args, "aux_loss", None)
+    if aux is not None or free:
+        out["aux_loss_coeff"] = aux if aux is not None else 0.0
+    if args.bias_update_rate is not None:
+        out["bias_update_rate"] = args.bias_update_rate
+    return out
 
 
 def model_config(args) -> ModelConfig:
@@ -124,7 +149,7 @@ def model_config(args) -> ModelConfig:
     return ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
                        n_layers=args.layers, n_heads=args.heads, tie_embeddings=args.tie,
                        use_kernels=args.kernels, n_experts=args.experts, topk=args.topk,
-                       capacity_factor=args.capacity_factor, **given)
+                       capacity_factor=args.capacity_factor, **given, **balance_fields(args))
 
 
 def configure(args) -> tuple[ModelConfig, ParallelConfig]:

@@ -19,7 +19,7 @@ from ..runtime import placement
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
-from ..train.flags import UsageError, _Parser
+from ..train.flags import BALANCE, UsageError, _Parser, balance_fields
 from ..tensor_parallel.fp8 import RECIPES
 from ..train.engine import check_supported, resolve_schedule, uses_engine
 from ..train.precision import PRECISIONS, resolve_precision
@@ -79,6 +79,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "n_experts": "--experts", "topk": "--topk", "moe_every": "--moe-every",
          "capacity_factor": "--capacity-factor", "router_pre_softmax": "--pre-softmax",
          "aux_loss_coeff": "--aux-loss", "aux_loss_scope": "--aux-loss-scope", "z_loss_coeff": "--z-loss",
+         "expert_bias": "--balance aux-free", "bias_update_rate": "--bias-update-rate",
          "lr": "--lr", "eps": "--eps",
          "dtype": "--dtype", "expert_tp": "--expert-tp", "expert_layout": "--expert-layout"}
 
@@ -177,7 +178,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per expert and sequence = ceil(factor * seq * topk / experts); "
                         "default dropless")
     e.add_argument("--pre-softmax", action="store_true", help="softmax over all experts, then top-k")
-    e.add_argument("--aux-loss", type=float, default=0.01, help="Switch load-balancing coefficient")
+    e.add_argument("--aux-loss", type=float, default=None,
+                   help="Switch load-balancing coefficient (default 0.01; 0 with --balance aux-free)")
+    e.add_argument("--balance", choices=BALANCE, default="aux-loss",
+                   help="aux-free: DeepSeek-V3's per-expert router bias, moved by +-rate after every "
+                        "step by the step's load summed over the ranks (minitron/moe/balance.py); "
+                        "compared with one device's bitwise")
+    e.add_argument("--bias-update-rate", type=float, default=None,
+                   help="with --balance aux-free: the bias step per optimizer step (default 1e-3)")
     e.add_argument("--aux-loss-scope", choices=CHOICES["aux_loss_scope"], default="global",
                    help="whose tokens the balance loss counts: every replica's (global) or each "
                         "dp x ep replica's own (replica: not comparable beyond one replica)")
@@ -227,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
                            use_kernels=args.kernels, recompute=args.recompute,
                            n_experts=args.experts, topk=args.topk, moe_every=args.moe_every,
                            capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
-                           aux_loss_coeff=args.aux_loss, aux_loss_scope=args.aux_loss_scope,
-                           z_loss_coeff=args.z_loss)
+                           aux_loss_scope=args.aux_loss_scope, z_loss_coeff=args.z_loss,
+                           **balance_fields(args))
         validate_model(pcfg, mcfg)
         dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe, args.fp8_amax_reduce)
-        Plant(args.plant).check_fp8(fp8)
+        Plant(args.plant).check_fp8(fp8).check_model(mcfg)
         check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)   # a bad ZeRO stage
         check_comparable(pcfg, mcfg, dtype, args.zero, sched, fp8, args.reference_routing)
         kernels = "kernels=off (plain torch ops)"

@@ -5,7 +5,7 @@ Each plant breaks one thing at one point of a step and should be caught by exact
 row: a replica that drifts on tp rank 1 (grads or weights), a 1% error in one gradient, in one
 tensor's update, or in one logit; in the pipeline executor, a gradient delivered to the wrong
 stage or a W dropped; in an MoE layer, a wrong split size, an unpermute off by one or a
-token sent to the wrong expert; in the FP8 GEMMs (--dtype fp8), a scale never updated from its
+token sent to the wrong expert, or expert biases updated from one rank's counts; in the FP8 GEMMs (--dtype fp8), a scale never updated from its
 amax history or one applied twice.
 
 This file holds the list (PLANTS) and the Plant that puts each in at its point of the step;
@@ -29,7 +29,7 @@ from .patching import patched
 from .plants_context_parallel import merged_without_rescale
 from .plants_data_parallel import plant_engine
 from .plants_fp8 import install_fp8
-from .plants_moe import plant_dispatch
+from .plants_moe import local_loads, plant_dispatch
 from .plants_pipeline import drops_first_w, passes_back
 from .plants_tp_overlap import misfiled
 
@@ -66,6 +66,8 @@ PLANTS = {
                      "undone, so they return to the wrong tokens",
     "moe-route": "experts: each rank sends its first token's first choice to an expert the router "
                  "did not choose (a token sent to the wrong expert)",
+    "moe-local-load": "--balance aux-free: each rank updates its expert biases from its own tokens' "
+                      "counts, not those summed over the ranks holding the batch's other tokens",
     "fp8-stale-amax": "FP8, delayed scaling: the amax history holds a stale amax of 1.0 and is never "
                       "updated, so a norm's output (amax 3-4) saturates: clipped to +-1",
     "fp8-double-scale": "FP8: each GEMM's output divides out the weight's scale twice (y / (s_x s_w^2))",
@@ -105,6 +107,9 @@ class Plant(StepHooks):
             return install_fp8(self.kind, model)
         if not self.kind.startswith("moe-"):
             return
+        if self.kind == "moe-local-load":
+            self.check_model(model.cfg)
+            return
         layers = [m for m in model.modules() if hasattr(m, "dispatcher")]
         if not layers:
             raise ValueError(f"plant {self.kind} needs a model with experts (--experts)")
@@ -125,6 +130,12 @@ class Plant(StepHooks):
         elif self.kind == "pp-drop-w":
             stack.enter_context(patched(executor._Run, "weights", drops_first_w(executor._Run.weights)))
         return stack
+
+    def check_model(self, cfg) -> "Plant":
+        """Refuse a plant the model cannot hold (cli.py asks before any rank starts)."""
+        if self.kind == "moe-local-load" and not (cfg.n_experts and cfg.expert_bias):
+            raise ValueError("plant moe-local-load needs expert biases: add --balance aux-free")
+        return self
 
     def check_fp8(self, recipe) -> "Plant":
         """Refuse an fp8-* plant the run cannot hold (before any rank starts)."""
@@ -182,11 +193,16 @@ class Plant(StepHooks):
         return [v for _, v in master_pieces(run.engine, opt.master, p)]
 
     def before_step(self, model, run=None) -> None:
+        if self.kind == "moe-local-load":       # the bias update ends the optimizer step
+            self._local = local_loads()
+            self._local.__enter__()
         if self.kind == "update":
             self._before = [t.detach().clone() for t in self._stepped(model, run)]
 
     @torch.no_grad()
     def after_step(self, model, grid: Grid, run=None) -> None:
+        if self.kind == "moe-local-load":
+            self._local.__exit__(None, None, None)
         if self.kind == "update":
             for t, before in zip(self._stepped(model, run), self._before):
                 t.copy_(before + 1.01 * (t - before))

@@ -1,8 +1,18 @@
 """The expert plants moe-route, moe-split and moe-unpermute (plants.py): one MoE layer's
-dispatch with a fault, its code untouched (the layer's dispatcher is wrapped)."""
+dispatch with a fault, its code untouched (the layer's dispatcher is wrapped); and
+moe-local-load: the expert biases moved by this rank's own counts (balance.reduce_loads off)."""
 from __future__ import annotations
 
 import torch
+
+from ..moe import balance
+from .patching import patched
+
+
+def local_loads():
+    """Around the optimizer step: the loads are not summed over the ranks holding other tokens,
+    so each rank moves its biases by the counts of its own share of the batch."""
+    return patched(balance, "reduce_loads", lambda loads, groups: loads)
 
 
 def plant_dispatch(layer, kind: str) -> None:

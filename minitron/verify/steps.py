@@ -6,9 +6,9 @@ Each step compares, on rank 0: logits, loss, dL/dX and every gradient of the spl
 (gathered from its shards) with the reference's, and the bitwise equality of every replica.
 Then the engine's gradients are replaced by the reference's (TrainingRun.load_grads, the one
 hook verification needs) and both optimizers step on them, so the update is checked on its
-own. With experts the loss includes the routers' auxiliary losses on both sides, and one row
+own. With experts the loss includes the routers' auxiliary losses on both sides, one row
 per step checks that a capacity factor dropped the reference's (token, expert) pairs, pair for
-pair.
+pair, and with expert biases one row the biases after both updates (bias_rows.py).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ..train.engine import SIXTEEN_BIT, TrainingRun
 from .checks import (C_NORM, Row, float32_tolerance, grad_rows, noise_rows, noise_stats, replica_rows, sum_rows,
                      update_rows)
 from . import noise, routing
+from .bias_rows import bias_rows, gathered_biases
 from .plants import Plant
 
 BUCKET_NUMEL = 4096       # small: even the tiny default model fills several buckets
@@ -235,6 +236,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         planted.before_step(model, run)
         run.optimizer_step()
         planted.after_step(model, grid, run)
+        biases = gathered_biases(model, grid)            # every rank's, after its update
         local_weights = run.weights()
         weight_replicas = replica_rows(step, "weights", local_weights, mcfg, grid, tied_across_stages,
                                        over_dp=not run.sharded_weights)
@@ -250,6 +252,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
             ref.zero_grad(set_to_none=True)
             ref_new = {n: p.detach() for n, p in ref.named_parameters()}
             rows += update_rows(step, new, old, ref_new, ref_old) + weight_replicas
+            rows += bias_rows(step, biases, ref)        # updates the reference's biases first
             if low:
                 ref_new_masters = dict(zip(ref_new, (m.detach() for m in ref_opt.masters)))
                 rows += update_rows(step, new_masters, old_masters, ref_new_masters, ref_old_masters,
