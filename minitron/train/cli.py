@@ -36,6 +36,7 @@ from ..runtime.process_group import end_of_run, under_torchrun
 from ..config import ConfigError, ModelConfig
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
+from .checkpoint_bias import biases_of_every_stage, load_biases
 from .engine import TrainingRun
 from .flags import FLAGS, configure, parser
 from .lr import describe, learning_rate
@@ -109,10 +110,12 @@ def _sample(run: TrainingRun, mcfg: ModelConfig, args) -> str | None:
     local = checkpoint.local_weights(run.model, run.engine)
     full = gather_state_dict({k: v.float() for k, v in local.items()}, mcfg, run.grid,
                              getattr(run.model, "placement", None))
+    biases = biases_of_every_stage(run.model)      # not in the state dict (collective)
     if run.grid.rank != 0:
         return None
     gpt = GPT(mcfg).eval()
     gpt.load_state_dict(full)
+    load_biases(gpt, biases, "the trained model")  # it routes as the run does
     ids = torch.tensor([data.encode("The ").tolist()])
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
