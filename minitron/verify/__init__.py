@@ -89,6 +89,10 @@ capacity factor dropped exactly the reference's (token, expert) pairs. In 16 bit
 row counts the (token, expert) choices that differ between the sides (a rounding flip of a top-k
 is a discontinuity no tolerance covers); `--reference-routing` makes the split model take the
 reference's choices, so the rest is compared at the 16-bit tolerance (routing.py).
+`--balance aux-free` (DeepSeek-V3's per-expert router bias, moe/balance.py) adds an `expert
+bias` row per step, after both sides' bias updates: every rank's biases against one device's,
+bitwise, in units of `--bias-update-rate` (bias_rows.py). With one step an update changes no
+output, so without this row a bias moved by the wrong counts would pass.
 
 `--cp C` cuts every sequence of the batch into 2C chunks and gives cp rank r chunks r and
 2C-1-r (zigzag: equal causal work, minitron/context_parallel); attention reaches the other

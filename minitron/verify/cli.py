@@ -40,6 +40,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 2 --sp --pp 2 --schedule 1f1b --microbatches 4
   python -m minitron.verify --tp 1 --pp 4 --virtual 2 --schedule interleaved --microbatches 8 --layers 8
   python -m minitron.verify --tp 1 --dp 2               data parallel: each replica its rows
+  python -m minitron.verify --tp 1 --ep 2 --experts 4 --balance aux-free   expert biases, bitwise
   python -m minitron.verify --tp 2 --sp --dp 2 --zero 1 Megatron's distributed optimizer
   python -m minitron.verify --tp 1 --dp 4 --zero 3      parameters sharded too
   python -m minitron.verify --tp 1 --dp 4 --dp-shard 2 --zero 3   HSDP: sharded in pairs, 2 replicas
