@@ -198,7 +198,6 @@ def test_bench_precision_writes_its_csv_and_figure(tmp_path):
     (["--fp8-recipe", "current"], "add --dtype fp8"),
     (["--dtype", "fp8", "--fp8-recipe", "current", "--plant", "fp8-stale-amax"], "--fp8-recipe delayed"),
     (["--plant", "fp8-double-scale"], "add --dtype fp8"),
-    (["--dtype", "fp8", "--ep", "2", "--experts", "4"], "--dtype float32"),
 ])
 def test_verify_cli_refuses_before_any_rank_starts(argv, says, capsys):
     from minitron.verify.cli import main

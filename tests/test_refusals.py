@@ -112,6 +112,15 @@ def test_the_engine_refuses_from_the_table_naming_fields_from_python():
     assert str(back) == str(e.value) and back.as_flags() == e.value.as_flags()
 
 
+def test_fp8_with_experts_is_no_longer_refused():
+    """The experts' GEMMs are FP8 GEMMs now (tensor_parallel/fp8_batched.py, tests/test_fp8_experts.py)."""
+    from minitron.tensor_parallel.fp8 import FP8Recipe
+    assert "fp8-experts" not in refusals.BY_NAME
+    check_supported(ParallelConfig(ep=2), ModelConfig(n_experts=4), torch.bfloat16, None, None, FP8Recipe())
+    check_supported(ParallelConfig(tp=2, sequence_parallel=True, ep=2, dp=2), ModelConfig(n_experts=4),
+                    torch.bfloat16, 3, None, FP8Recipe("current"))
+
+
 def test_a_model_builder_refuses_its_rows():
     from minitron.model.splits import validate_model
     with pytest.raises(Refused, match=r"^n_experts=4 with tp=2 with sequence_parallel=False: .*; use sequence_parallel=True or tp=1$") as e:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..moe.experts import enable_fp8_experts
 from ..moe.reference import MoE
 from ..tensor_parallel.fp8_linear import FP8State
 from ..tensor_parallel.random import DropoutRNG
@@ -179,12 +180,14 @@ class GPT(nn.Module):
     def enable_fp8(self, recipe) -> None:
         """Every GEMM of the blocks in FP8 (tensor_parallel/fp8_linear.py), at ParallelGPT's
         casting points: q, k and v as one fused GEMM, [gate; up] as one, then attention.out and
-        fc2; one FP8State each, one scale per fused weight. The LM head stays 16-bit."""
-        if any(self.cfg.is_moe_layer(i) for i in range(self.cfg.n_layers)):
-            raise ValueError("the reference has no FP8 experts")
+        fc2; one FP8State each, one scale per fused weight. The LM head stays 16-bit. An MoE
+        layer's experts: one ExpertState per expert and GEMM (moe/experts.py's enable_fp8_experts)."""
         for layer in self.layers:
             layer.attention.fp8 = {"qkv": FP8State(recipe), "out": FP8State(recipe)}
-            layer.mlp.fp8 = {"fc1": FP8State(recipe), "fc2": FP8State(recipe)}
+            if isinstance(layer.mlp, MoE):
+                enable_fp8_experts(layer.mlp, recipe)
+            else:
+                layer.mlp.fp8 = {"fc1": FP8State(recipe), "fc2": FP8State(recipe)}
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

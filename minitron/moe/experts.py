@@ -16,6 +16,10 @@ The tokens arrive sorted by expert with `counts[e]` rows for expert e. They are 
 zero-padded [E_local, max count, h] tensor so one torch.bmm runs every expert at once (a
 grouped GEMM on a GPU does the same without the padding); padded rows are computed and thrown
 away, never read back, so they receive no gradient.
+
+FP8 (--dtype fp8, enable_fp8_experts): each StackedLinear's GEMMs are FP8 GEMMs with a scale per
+expert and tensor (tensor_parallel/fp8_batched.py): each expert's real rows, counts[e] of them,
+are its GEMM, so the padded rows are not computed.
 """
 from __future__ import annotations
 
@@ -23,20 +27,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ModelConfig
+from ..tensor_parallel.fp8 import FP8Recipe
+from ..tensor_parallel.fp8_batched import ExpertStates, expert_linear, grouped_fp8
 
 
 class StackedLinear(nn.Module):
-    """E Linear layers of the same shape, weights [E, out, in], bias [E, out]."""
+    """E Linear layers of the same shape, weights [E, out, in], bias [E, out]; `fp8`: None, or
+    the experts' FP8 scalers (an ExpertStates, enable_fp8_experts)."""
 
     def __init__(self, n: int, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
+        self.fp8: ExpertStates | None = None
 
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        """x [E, c, in] -> [E, c, out]."""
-        y = torch.bmm(x, self.weight.transpose(1, 2))
+    def forward(self, x: torch.Tensor, with_bias: bool = True, counts=None) -> torch.Tensor:
+        """x [E, c, in] -> [E, c, out]; in FP8 only the first counts[e] rows of expert e are
+        computed (the others are 0)."""
+        if self.fp8 is not None:
+            y = grouped_fp8(x, self.weight, counts, self.fp8.local())
+        else:
+            y = torch.bmm(x, self.weight.transpose(1, 2))
         return y + self.bias[:, None, :] if with_bias and self.bias is not None else y
+
+    def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e alone on x [m, in] (moe/reference.py's loop): F.linear, or in FP8 the dense
+        FP8 linear with expert e's own scalers."""
+        bias = None if self.bias is None else self.bias[e]
+        if self.fp8 is None:
+            return F.linear(x, self.weight[e], bias)
+        return expert_linear(x, self.weight[e], bias, self.fp8.local()[e])
 
 
 class GroupedExperts(nn.Module):
@@ -65,16 +85,34 @@ class GroupedExperts(nn.Module):
         slot = torch.arange(m, device=x.device) - starts[expert]
         padded = x.new_zeros(self.n_local, max(counts), h)
         padded = padded.index_put((expert, slot), x)                  # [E_local, c, h]
-        up = self.fc1(padded)
+        up = self.fc1(padded, counts=counts)
         if self.cfg.activation == "swiglu":
-            act = F.silu(self.gate(padded)) * up
+            act = F.silu(self.gate(padded, counts=counts)) * up
         else:
             act = F.gelu(up)
-        y = self.fc2(act, with_bias=False)[expert, slot]                # [m, h]
+        y = self.fc2(act, with_bias=False, counts=counts)[expert, slot]   # [m, h]
         if self.fc2.bias is not None:
             b = self.fc2.bias[expert]
             y = y + (b if bias_rows is None else b * bias_rows[:, None].to(b.dtype))
         return y
+
+
+def enable_fp8_experts(model: nn.Module, recipe: FP8Recipe, grid=None) -> list[str]:
+    """Give every StackedLinear of every GroupedExperts in `model` its experts' FP8 scalers
+    (tensor_parallel/fp8_batched.py); returns their names. `grid`: a split model's, whose local
+    experts are numbered from ep_rank * E_local and whose amaxes are reduced over tp, then dp x cp
+    (fp8_batched's docstring says why not ep); None: the reference, every expert, no reduction."""
+    groups = () if grid is None else (grid.tp, grid.dp_cp)
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            first = 0 if grid is None else grid.ep.rank * module.n_local
+            for part in ("gate", "fc1", "fc2"):
+                linear = getattr(module, part, None)
+                if linear is not None:
+                    linear.fp8 = ExpertStates(recipe, range(first, first + module.n_local), groups)
+                    names.append(f"{name}.{part}")
+    return names
 
 
 # How a tensor of GroupedExperts is cut: expert parallelism always splits dim 0 (expert e on

@@ -37,8 +37,8 @@ class MoE(ExpertBias):
         """Expert e's MLP on x [m, h], the dense MLP's formula."""
         ex = self.experts
 
-        def linear(layer, inp):
-            return F.linear(inp, layer.weight[e], None if layer.bias is None else layer.bias[e])
+        def linear(layer, inp):      # F.linear with expert e's weight (FP8: its own scales)
+            return layer.one(e, inp)
         up = linear(ex.fc1, x)
         act = F.silu(linear(ex.gate, x)) * up if self.cfg.activation == "swiglu" else F.gelu(up)
         return linear(ex.fc2, act)

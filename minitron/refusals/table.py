@@ -59,11 +59,6 @@ TABLE: tuple[Refusal, ...] = (
          lambda o: o.fp8 and o.dtype != "fp8",
          "FP8 GEMMs run inside bfloat16 training (bf16 activations, fp32 master weights)",
          [{"dtype": "bfloat16"}], None),
-    _row("fp8-experts", "engine", ("dtype", "n_experts"),
-         lambda o: o.fp8 and o.n_experts,
-         "the expert GEMMs (moe/experts.py's batched matmuls) are not FP8 GEMMs yet: an FP8 "
-         "run would cast the dense layers only",
-         [{"dtype": "bfloat16"}, {"dtype": "float32"}], "--tp 1 --ep 2 --experts 4 --dtype fp8"),
     _row("fp8-tp-comm-overlap", "engine", ("dtype", "tp_comm_overlap"),
          lambda o: o.fp8 and o.tp_comm_overlap,
          "the ring's chunked GEMMs (tensor_parallel/overlap.py) are not FP8 GEMMs yet",

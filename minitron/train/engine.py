@@ -43,6 +43,7 @@ from ..grid import ParallelConfig, build_grid
 from ..config import ModelConfig, check_number
 from ..model.convert import grads_state_dict
 from ..moe.balance import update_biases
+from ..moe.experts import enable_fp8_experts
 from ..moe.router import imbalance
 from ..model.stages import PipelineGPT
 from ..pipeline.schedules import V_SHAPED, make_schedule
@@ -145,7 +146,8 @@ class TrainingRun:
         else:
             self.model = PipelineGPT(mcfg, grid, self.placement, seed=seed).to(dtype)
         self.fp8 = fp8
-        self.fp8_layers = enable_fp8(self.model, fp8, grid.groups["amax"]) if fp8 is not None else []
+        self.fp8_layers = enable_fp8(self.model, fp8, grid.groups["amax"]) + \
+            enable_fp8_experts(self.model, fp8, grid) if fp8 is not None else []
         self.scaler, self.loss_scale = None, 1.0
         if not uses_engine(pcfg, zero_stage, dtype):
             self.engine, self.side = None, _OwnGrads(self.model, lr, eps, weight_decay)

@@ -76,6 +76,10 @@ PLANTS = {
                         "E5M2's range (Transformer Engine's Format.E5M2 everywhere): a bit fewer",
     "fp8-wrong-amax": "FP8: each GEMM casts its input with the scale of its weight's amax (an amax "
                       "taken from the wrong tensor: the input saturates)",
+    "fp8-experts-unscaled": "FP8 with experts: the experts' GEMMs cast with scale 1 (the dense "
+                            "layers' stay right): their small weights and gradients underflow",
+    "fp8-experts-e5m2-forward": "FP8 with experts: the experts' forward casts to E5M2 instead of "
+                                "E4M3 (the dense layers' stay right): one mantissa bit fewer",
 }
 
 
@@ -103,6 +107,8 @@ class Plant(StepHooks):
         ends with the model (a pool's ranks outlive one run)."""
         if self.kind == "tp-overlap-chunk" and not model.grid.tp_comm_overlap:
             raise ValueError("plant tp-overlap-chunk needs --tp-comm-overlap (with --sp)")
+        if self.kind.startswith("fp8-experts-") and not model.cfg.n_experts:
+            raise ValueError(f"plant {self.kind} needs a model with experts (--experts)")
         if self.kind.startswith("fp8-"):
             return install_fp8(self.kind, model)
         if not self.kind.startswith("moe-"):

@@ -1,18 +1,24 @@
 """The FP8 plants fp8-* (plants.py, --dtype fp8): each patches the scaling of every FP8 layer's
 GEMMs (tensor_parallel/fp8_linear.py): a stale amax history, the weight's scale divided out
-twice, scaling off, E5M2 in the forward, the input scaled by the weight's amax."""
+twice, scaling off, E5M2 in the forward, the input scaled by the weight's amax. The fp8-experts-*
+plants patch the experts' GEMMs only (tensor_parallel/fp8_batched.py): every scale 1, or E5M2
+in their forward; the dense layers stay right."""
 from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel.fp8 import E4M3, delayed_scale, scale_from_amax
-from ..tensor_parallel.fp8_linear import fp8_states
+from ..tensor_parallel.fp8 import E4M3, E5M2, delayed_scale, scale_from_amax
+from ..tensor_parallel.fp8_batched import ExpertState
+from ..tensor_parallel.fp8_linear import named_fp8_states
 from .patching import patched
 
 
 def install_fp8(kind: str, model) -> None:
     """Put the scaling fault `kind` into every FP8 layer of `model` (its own objects patched)."""
-    for state in fp8_states(model):
+    states = list(named_fp8_states(model).values())       # the experts' one by one
+    if kind.startswith("fp8-experts-"):
+        return _install_in_experts(kind, [s for s in states if isinstance(s, ExpertState)])
+    for state in states:
         if kind == "fp8-double-scale":
             _divide_weight_scale_twice(state)
         elif kind == "fp8-unscaled":
@@ -25,6 +31,21 @@ def install_fp8(kind: str, model) -> None:
         else:
             for scaler in state.scalers():
                 _hold_stale_amax(scaler, 1.0)
+
+
+def _install_in_experts(kind: str, states: list) -> None:
+    """fp8-experts-unscaled: every scale of the experts' GEMMs is 1 (their small weights and
+    gradients lose their digits or underflow); fp8-experts-e5m2-forward: their inputs and
+    weights cast to E5M2 (scaled to its range), the grouped GEMM casting with its scalers' format.
+    A rank whose model holds no experts (a pipeline stage without an MoE layer) has none to break."""
+    for state in states:
+        if kind == "fp8-experts-unscaled":
+            for scaler in state.scalers():
+                scaler._scale_for = lambda x: torch.ones((), device=x.device)
+        elif kind == "fp8-experts-e5m2-forward":
+            state.input.fmt = state.weight.fmt = E5M2
+        else:
+            raise ValueError(f"unknown experts' FP8 plant {kind!r}")
 
 
 def _hold_stale_amax(scaler, stale: float) -> None:

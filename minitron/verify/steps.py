@@ -266,7 +266,8 @@ def _scale_names(ref) -> list[tuple[str, int]]:
 
 def gathered_scales(model, ref, grid) -> torch.Tensor:
     """The latest scale of every FP8 scaler of the split model, in the reference's order, on
-    every rank (0 for a layer of another stage; one all-reduce, max, over pp: collective)."""
+    every rank (0 for a layer of another stage, or an expert of another ep rank; all-reduces,
+    max, over pp and ep: collective)."""
     mine = named_fp8_states(model)
     out = torch.zeros(len(_scale_names(ref)), device=grid.device)
     # a replica's (dp, cp, ep) gradients are of its own mean loss: dense_dp times the whole
@@ -275,7 +276,7 @@ def gathered_scales(model, ref, grid) -> torch.Tensor:
     for i, (name, k) in enumerate(_scale_names(ref)):
         if name in mine and mine[name].scalers()[k].last is not None:
             out[i] = mine[name].scalers()[k].last * (replicas if SCALERS[k] == "grad" else 1)
-    return comm.all_reduce(out, grid.pp, op="max")
+    return comm.all_reduce(comm.all_reduce(out, grid.pp, op="max"), grid.ep, op="max")
 
 
 SCALE_FLOOR = 1 / 16   # log2: an amax one device and a split see a few bf16 roundings apart

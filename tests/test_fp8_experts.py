@@ -1,0 +1,165 @@
+"""FP8 experts (minitron/tensor_parallel/fp8_batched.py): the grouped GEMM is the dense FP8 linear
+expert by expert, bit for bit; a split with experts passes the FP8 verdict against one device
+(ep alone, ep with dp, ep with tp+SP, ZeRO-3, a pipeline, both recipes); a fault in the experts'
+casts fails it; the experts' scalers travel in a checkpoint, and a resumed run continues bit for
+bit. Small shapes and two steps keep it fast: `python -m minitron.verify --tp 1 --ep 2
+--experts 4 --dtype fp8 [--plant fp8-experts-...]` runs the same at the default shape."""
+import pytest
+import torch
+
+from minitron.grid import ParallelConfig
+from minitron.model import ModelConfig
+from minitron.tensor_parallel.fp8 import FP8Recipe
+from minitron.tensor_parallel.fp8_batched import ExpertStates, expert_linear, grouped_fp8
+from minitron.tensor_parallel.fp8_linear import FP8State, fp8_linear, named_fp8_states
+from minitron.train.engine import TrainingRun
+from minitron.verify import Report, run_rank
+
+SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1, n_experts=4)
+GRIDS = {"ep2": ParallelConfig(ep=2), "ep2-dp2": ParallelConfig(ep=2, dp=2),
+         "ep2-tp2-sp": ParallelConfig(ep=2, tp=2, sequence_parallel=True)}
+
+
+# ---- the grouped GEMM: the dense FP8 linear, expert by expert -------------------------------
+def _loop_and_group(recipe: str, counts, steps=3):
+    """grouped_fp8 (plus bias) against the dense fp8_linear, each expert with a dense FP8State of
+    its own, on each expert's rows, over `steps` uses: what differs, and both sets of scalers."""
+    gen = torch.Generator().manual_seed(0)
+    e, c, k, n = len(counts), max(counts), 32, 48
+    w = (torch.randn(e, n, k, generator=gen) * 0.02).bfloat16()
+    b = (torch.randn(e, n, generator=gen) * 0.02).bfloat16()
+    grouped = ExpertStates(FP8Recipe(recipe), range(e))
+    looped = [FP8State(FP8Recipe(recipe)) for _ in counts]
+    differ = []
+    for step in range(steps):
+        x = torch.randn(e, c, k, generator=gen).bfloat16() * (1 + step)
+        dy = torch.randn(e, c, n, generator=gen).bfloat16()
+        for i, m in enumerate(counts):
+            x[i, m:], dy[i, m:] = 0, 0
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = grouped_fp8(xg, wg, counts, grouped.local()) + b[:, None, :]
+        y.backward(dy)
+        for i, m in enumerate(counts):
+            if not m:        # the dense linear takes no empty input; the group gives it nothing
+                differ += [bool(wg.grad[i].any()), bool(xg.grad[i].any())]
+                continue
+            xl, wl = x[i, :m].clone().requires_grad_(), w[i].clone().requires_grad_()
+            yl = fp8_linear(xl, wl, b[i], looped[i])
+            yl.backward(dy[i, :m])
+            differ += [not torch.equal(y[i, :m], yl), not torch.equal(xg.grad[i, :m], xl.grad),
+                       not torch.equal(wg.grad[i], wl.grad)]
+    return differ, grouped, looped
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("counts", [[5, 0, 7], [3, 3], [1]])
+def test_the_grouped_gemm_is_the_dense_fp8_linear_expert_by_expert(recipe, counts):
+    differ, grouped, looped = _loop_and_group(recipe, counts)
+    assert differ and not any(differ)
+    for m, a, b in zip(counts, grouped.local(), looped):     # the same histories, scales, uses
+        for sa, sb in zip(a.scalers(), b.scalers()):
+            if m:
+                assert sa.uses == sb.uses and torch.equal(sa.last, sb.last)
+                assert sa.history is None or torch.equal(sa.history, sb.history)
+
+
+def test_the_reference_expert_is_the_dense_fp8_linear():
+    """expert_linear (moe/reference.py's loop): fp8_linear itself on a CPU; an expert without
+    tokens still counts the use, with amax 0, as the group does."""
+    x, w = torch.randn(5, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    mine, dense = ExpertStates(FP8Recipe("delayed"), range(1)).local()[0], FP8State(FP8Recipe("delayed"))
+    assert torch.equal(expert_linear(x, w, None, mine), fp8_linear(x, w, None, dense))
+    empty = x[:0].clone().requires_grad_()
+    expert_linear(empty, w, None, mine).sum().backward()
+    assert mine.input.uses == 2 and mine.input.history[1] == 0 and mine.grad.uses == 1
+
+
+def test_each_expert_has_its_own_scale():
+    """Experts of different magnitudes: one scale over the group would not be each expert's."""
+    states = ExpertStates(FP8Recipe("current"), range(2))
+    x = torch.ones(2, 4, 16, dtype=torch.bfloat16)
+    x[1] *= 8
+    grouped_fp8(x, torch.ones(2, 8, 16, dtype=torch.bfloat16), None, states.local())
+    s0, s1 = (st.input.last for st in states.local())
+    assert torch.equal(s0, 8 * s1)
+
+
+def test_an_expert_without_tokens_keeps_its_scale_and_counts_the_use():
+    states = ExpertStates(FP8Recipe("delayed"), range(2))
+    x = torch.randn(2, 4, 16).bfloat16()
+    w = torch.randn(2, 8, 16).bfloat16()
+    grouped_fp8(x, w, [4, 4], states.local())
+    before = states.local()[1].input.scale.clone()
+    grouped_fp8(torch.cat([x[:1], torch.zeros_like(x[1:])]), w, [4, 0], states.local())
+    idle = states.local()[1].input
+    assert idle.uses == 2 and torch.equal(idle.last, before) and idle.history[1] == 0
+
+
+# ---- the split against one device ------------------------------------------------------------
+def _report(run_ranks, grid, recipe="delayed", plant=None, steps=2, zero=None, schedule=None,
+            mcfg=None, pcfg=None):
+    pcfg = pcfg or GRIDS[grid]
+    rows = run_ranks(run_rank, pcfg, mcfg or ModelConfig(**SMALL), steps, torch.bfloat16, 0, 1e-4, 1e-6,
+                     4, None, plant, schedule, zero, world_size=pcfg.world_size,
+                     fp8=FP8Recipe(recipe))[0]
+    return Report(rows)
+
+
+def _expert_scales_compared(report) -> bool:
+    return any(r.quantity == "fp8 scales (log2)" for r in report.rows)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_fp8_experts_pass_against_one_device(run_ranks, grid, recipe):
+    report = _report(run_ranks, grid, recipe)
+    assert report.passed, report.table()
+    assert _expert_scales_compared(report)
+    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 3, report.table()
+
+
+def test_fp8_experts_pass_with_zero3_swiglu_and_a_pipeline(run_ranks):
+    mcfg = ModelConfig(**{**SMALL, "activation": "swiglu", "norm": "rmsnorm"})
+    report = _report(run_ranks, None, zero=3, mcfg=mcfg, pcfg=ParallelConfig(ep=2, dp=2))
+    assert report.passed, report.table()
+    report = _report(run_ranks, None, mcfg=mcfg, pcfg=ParallelConfig(ep=2, pp=2), schedule="1f1b")
+    assert report.passed, report.table()
+
+
+@pytest.mark.parametrize("plant", ["fp8-experts-e5m2-forward", "fp8-experts-unscaled"])
+def test_a_fault_in_the_experts_casts_fails(run_ranks, plant):
+    report = _report(run_ranks, "ep2", plant=plant)
+    assert not report.passed
+    scales = [r for r in report.failures if r.quantity == "fp8 scales (log2)"]
+    assert scales and min(r.err / r.tol for r in scales) >= 3, report.table()
+    assert "mlp.experts." in scales[0].detail              # an expert's scaler is the worst
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def _train(total, path=None, save_at=None):
+    from minitron.train import checkpoint
+    run = TrainingRun(ModelConfig(**SMALL), ParallelConfig(ep=2, dp=2), zero_stage=1, dtype=torch.bfloat16,
+                      lr=1e-2, fp8=FP8Recipe("delayed", history_len=4))
+    start = checkpoint.load(path, run.model, run.engine, run.optimizer)["step"] \
+        if path is not None and save_at is None else 0
+    losses = []
+    for s in range(start, total):
+        gen = torch.Generator().manual_seed(500 + s)
+        data = torch.randint(0, 64, (4, 9), generator=gen)
+        losses.append(run.step(data[:, :-1], data[:, 1:], s))
+        if save_at == s + 1:
+            checkpoint.save(path, run.model, run.engine, run.optimizer, step=s + 1)
+    states = named_fp8_states(run.model)
+    return losses, {n: [st.history.clone() for st in s.scalers()] for n, s in states.items()}, \
+        sorted(checkpoint.fp8_states_of_every_stage(run.model))
+
+
+def test_an_fp8_run_with_experts_resumes_bit_for_bit(run_ranks, tmp_path):
+    path = str(tmp_path / "fp8")
+    full, full_hist, saved = run_ranks(_train, 6, world_size=4)[0]
+    assert sum(".experts.fc1." in n for n in saved) == 2 * 4          # 2 layers, every expert
+    first, _, _ = run_ranks(_train, 3, path, 3, world_size=4)[0]
+    rest, rest_hist, _ = run_ranks(_train, 6, path, world_size=4)[0]
+    assert first + rest == full                                     # exactly, on CPU
+    assert full_hist.keys() == rest_hist.keys()
+    assert all(torch.equal(a, b) for n in full_hist for a, b in zip(full_hist[n], rest_hist[n]))
