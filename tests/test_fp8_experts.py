@@ -11,7 +11,7 @@ from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
 from minitron.tensor_parallel.fp8 import FP8Recipe
 from minitron.tensor_parallel.fp8_batched import ExpertStates, expert_linear, grouped_fp8
-from minitron.tensor_parallel.fp8_linear import FP8State, fp8_linear, named_fp8_states
+from minitron.tensor_parallel.fp8_linear import FP8State, ScaleTape, fp8_linear, named_fp8_states
 from minitron.train.engine import TrainingRun
 from minitron.verify import Report, run_rank
 
@@ -74,6 +74,22 @@ def test_the_reference_expert_is_the_dense_fp8_linear():
     assert mine.input.uses == 2 and mine.input.history[1] == 0 and mine.grad.uses == 1
 
 
+def test_a_rerun_replays_the_scales_of_the_first_forward():
+    """Recomputation (fp8_linear.ScaleTape): the rerun casts as the first forward did, and no
+    amax is recorded twice."""
+    states = ExpertStates(FP8Recipe("delayed"), range(2))
+    x, w = torch.randn(2, 4, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16()
+    grouped_fp8(x, w, None, states.local())                      # a history to start from
+    tape = ScaleTape()
+    with tape.recording():
+        first = grouped_fp8(3 * x, w, None, states.local())
+    uses = [st.input.uses for st in states.local()]
+    with tape.replay():
+        again = grouped_fp8(3 * x, w, None, states.local())
+    assert torch.equal(first, again) and uses == [st.input.uses for st in states.local()]
+    assert not torch.equal(first, grouped_fp8(3 * x, w, None, states.local()))   # the next use: new scales
+
+
 def test_each_expert_has_its_own_scale():
     """Experts of different magnitudes: one scale over the group would not be each expert's."""
     states = ExpertStates(FP8Recipe("current"), range(2))
@@ -97,10 +113,10 @@ def test_an_expert_without_tokens_keeps_its_scale_and_counts_the_use():
 
 # ---- the split against one device ------------------------------------------------------------
 def _report(run_ranks, grid, recipe="delayed", plant=None, steps=2, zero=None, schedule=None,
-            mcfg=None, pcfg=None):
+            mcfg=None, pcfg=None, batch=4):
     pcfg = pcfg or GRIDS[grid]
     rows = run_ranks(run_rank, pcfg, mcfg or ModelConfig(**SMALL), steps, torch.bfloat16, 0, 1e-4, 1e-6,
-                     4, None, plant, schedule, zero, world_size=pcfg.world_size,
+                     batch, None, plant, schedule, zero, world_size=pcfg.world_size,
                      fp8=FP8Recipe(recipe))[0]
     return Report(rows)
 
@@ -115,15 +131,23 @@ def test_fp8_experts_pass_against_one_device(run_ranks, grid, recipe):
     report = _report(run_ranks, grid, recipe)
     assert report.passed, report.table()
     assert _expert_scales_compared(report)
-    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 3, report.table()
+    # the dense FP8 splits' bar (tests/test_fp8.py): the twins' noise is the tolerance's unit
+    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 2, report.table()
 
 
-def test_fp8_experts_pass_with_zero3_swiglu_and_a_pipeline(run_ranks):
-    mcfg = ModelConfig(**{**SMALL, "activation": "swiglu", "norm": "rmsnorm"})
-    report = _report(run_ranks, None, zero=3, mcfg=mcfg, pcfg=ParallelConfig(ep=2, dp=2))
+SWIGLU = ModelConfig(**{**SMALL, "activation": "swiglu", "norm": "rmsnorm"})
+
+
+def test_fp8_experts_pass_with_zero3_and_swiglu(run_ranks):
+    report = _report(run_ranks, None, zero=3, mcfg=SWIGLU, pcfg=ParallelConfig(ep=2, dp=2))
     assert report.passed, report.table()
-    report = _report(run_ranks, None, mcfg=mcfg, pcfg=ParallelConfig(ep=2, pp=2), schedule="1f1b")
+
+
+def test_fp8_experts_pass_in_a_pipeline(run_ranks):
+    """Micro-batch by micro-batch on both sides (the amaxes are per micro-batch)."""
+    report = _report(run_ranks, None, pcfg=ParallelConfig(ep=2, pp=2), schedule="1f1b", batch=8)
     assert report.passed, report.table()
+    assert _expert_scales_compared(report)
 
 
 @pytest.mark.parametrize("plant", ["fp8-experts-e5m2-forward", "fp8-experts-unscaled"])
