@@ -16,7 +16,8 @@ So each tensor x is stored as q = fp8(x * s), with s chosen to bring its largest
 (clamp to +-max: Transformer Engine's cast, and never an inf/NaN). The GEMM multiplies the
 FP8 numbers and rescales once: x w = (q_x q_w) / (s_x s_w).
 
-Two recipes choose s:
+Two recipes choose one s per tensor (two more, blockwise and mxfp8, a scale per block of it:
+fp8_blocks.py):
   current   s from this tensor's own amax, just before it is cast: exact, but one more pass
             over the tensor (a reduction) before the cast can start.
   delayed   s from the largest amax of the last `history_len` uses of this tensor (Transformer
@@ -59,7 +60,8 @@ from ..runtime import comm
 E4M3 = torch.float8_e4m3fn     # "fn": finite, no inf; its largest value is 448, not 240
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 E5M2 = torch.float8_e5m2
-RECIPES = ("delayed", "current")
+BLOCK_RECIPES = ("blockwise", "mxfp8")    # a scale per block, fp8_blocks.py
+RECIPES = ("delayed", "current") + BLOCK_RECIPES
 
 
 def fp8_max(fmt: torch.dtype) -> float:
@@ -75,6 +77,8 @@ class FP8Recipe:
     history_len: int = 16
     margin: int = 0
     reduce_amax: bool = True      # all-reduce every amax over tp x cp x ep x dp (module docstring)
+    block: int | None = None      # blockwise, mxfp8: the block's length along K (fp8_blocks.py;
+                                  # None: 128 and 32, DeepSeek-V3's and the MX spec's)
 
     def __post_init__(self):
         if self.scaling not in RECIPES:
@@ -83,6 +87,15 @@ class FP8Recipe:
             raise ValueError(f"FP8 amax history_len must be an integer >= 1, got {self.history_len!r}")
         if not (isinstance(self.margin, int) and self.margin >= 0):
             raise ValueError(f"FP8 margin must be an integer >= 0 (powers of 2), got {self.margin!r}")
+        if self.block is not None and (not self.fine_grained or not isinstance(self.block, int)
+                                       or self.block < 1):
+            raise ValueError(f"FP8 block {self.block!r}: a positive block length, for the "
+                             f"{' or '.join(BLOCK_RECIPES)} recipes only (e.g. block=32)")
+
+    @property
+    def fine_grained(self) -> bool:
+        """A scale per block (fp8_blocks.py) rather than one per tensor."""
+        return self.scaling in BLOCK_RECIPES
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
@@ -123,6 +136,9 @@ class TensorScaler:
     `last` is the scale of the latest cast (the verifier compares it with one device's)."""
 
     def __init__(self, fmt: torch.dtype, recipe: FP8Recipe, group=None):
+        if recipe.fine_grained:
+            raise ValueError(f"FP8 recipe {recipe.scaling} has a scale per block, not per tensor: "
+                             "fp8_blocks.BlockScaler casts it (or use the delayed or current recipe)")
         self.fmt, self.recipe = fmt, recipe
         self.group = group if recipe.reduce_amax else None
         self.history: torch.Tensor | None = None
@@ -186,6 +202,6 @@ def tolerance_fp8(forward: bool) -> float:
     return C8 * float(torch.finfo(E4M3 if forward else E5M2).eps)
 
 
-__all__ = ["E4M3", "E5M2", "RECIPES", "FP8Recipe", "fp8_max", "quantize", "dequantize", "amax",
+__all__ = ["E4M3", "E5M2", "RECIPES", "BLOCK_RECIPES", "FP8Recipe", "fp8_max", "quantize", "dequantize", "amax",
            "scale_from_amax", "delayed_scale", "TensorScaler",
            "C8", "tolerance_fp8"]

@@ -26,6 +26,11 @@ with Transformer Engine: the logits feed a softmax over the whole vocabulary, wh
 error of 6% in the largest logits moves the probabilities themselves, and the LM head's
 gradient is the loss's gradient, largest in dynamic range (NVIDIA's FP8 guidance keeps both).
 The master weights and Adam states are the bf16 run's: fp32, in the optimizer.
+
+The fine-grained recipes (blockwise, mxfp8: a scale per block, E4M3 for every operand) go
+through fp8_blocks.py's own GEMM instead: each rank casts its local tensors block by block, no
+amax is reduced, and the GEMM multiplies the dequantized operands in float32 (on a GPU too:
+torch._scaled_mm's block-scaled modes are not used here).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import torch.nn as nn
 
 from . import weight_grad
 from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
+from .fp8_blocks import BlockScaler, block_linear
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 KEEP_BF16 = ("lm_head",)          # module names never cast to FP8 (the docstring says why)
@@ -48,6 +54,9 @@ class FP8State:
 
     def __init__(self, recipe: FP8Recipe, group=None):
         self.recipe = recipe
+        if recipe.fine_grained:      # a scale per block, E4M3 throughout, nothing reduced (fp8_blocks.py)
+            self.input, self.weight, self.grad = (BlockScaler(E4M3, recipe) for _ in SCALERS)
+            return
         self.input = TensorScaler(E4M3, recipe, group)
         self.weight = TensorScaler(E4M3, recipe, group)
         self.grad = TensorScaler(E5M2, recipe, group)
@@ -63,17 +72,26 @@ class FP8State:
             s.load_state_dict(state[name])
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.recipe.fine_grained:
+            return block_linear(x, weight, bias, self, dequantized_matmul)
         return fp8_linear(x, weight, bias, self)
 
 
 def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """(a b) / (a_scale b_scale) for FP8 matrices a [m, k] and b [k, n], accumulated in float32."""
-    if a.is_cuda and gpu_has_fp8(a.device):
+    if a.is_cuda and a.dtype in (E4M3, E5M2) and gpu_has_fp8(a.device):
         # _scaled_mm wants a row-major, b column-major, and the inverse scales (float32 scalars)
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
                                 scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
     return (a.float() @ b.float() * (a_scale * b_scale).reciprocal()).to(out_dtype)
+
+
+def dequantized_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a b for float32 matrices (block-scaled FP8 operands, dequantized: fp8_blocks.py), in
+    float32, rounded once to out_dtype: scaled_matmul with unit scales, looked up when called."""
+    one = torch.ones((), device=a.device)
+    return scaled_matmul(a, one, b, one, out_dtype)
 
 
 def gpu_has_fp8(device) -> bool:
@@ -84,7 +102,9 @@ class ScaleTape:
     """The scales of one recomputed region's FP8 GEMMs (model/recompute.py), Transformer Engine's
     way: its first forward records the (input, weight) scales it cast with; the rerun in backward
     replays them, so the rerun casts exactly as the first forward did and records no amax twice
-    (a delayed-scaling history stays one entry per use)."""
+    (a delayed-scaling history stays one entry per use). The fine-grained recipes never reach
+    it: their scales are their blocks' own amaxes' and keep no history, so the rerun's casts of
+    its bitwise-identical inputs are the first forward's."""
     active: "ScaleTape | None" = None
 
     def __init__(self):
@@ -196,5 +216,5 @@ def load_fp8_state_dict(model: nn.Module, state: dict) -> None:
         s.load_state_dict(state[name])
 
 
-__all__ = ["FP8State", "ScaleTape", "KEEP_BF16", "SCALERS", "scaled_matmul", "gpu_has_fp8", "fp8_linear",
-           "enable_fp8", "fp8_states", "named_fp8_states", "fp8_state_dict", "load_fp8_state_dict"]
+__all__ = ["FP8State", "ScaleTape", "KEEP_BF16", "SCALERS", "scaled_matmul", "dequantized_matmul",
+           "gpu_has_fp8", "fp8_linear", "enable_fp8", "fp8_states", "named_fp8_states", "fp8_state_dict", "load_fp8_state_dict"]

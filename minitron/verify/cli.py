@@ -23,7 +23,7 @@ from ..train.flags import BALANCE, UsageError, _Parser, balance_fields
 from ..tensor_parallel.fp8 import RECIPES
 from ..train.engine import check_supported, resolve_schedule, uses_engine
 from ..train.precision import PRECISIONS, resolve_precision
-from .run import check_comparable, split_batch, verify
+from .run import check_comparable, split_batch, verify, verify_recipe
 from .steps import BUCKET_NUMEL, FP16_LOSS_SCALE
 
 
@@ -48,6 +48,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --tp 1 --dp 2 --pp 2 --zero 3 --schedule zb-h1 --microbatches 4   ZeRO-3 in stages
   python -m minitron.verify --tp 2 --dtype bfloat16     16-bit, fp32 master weights
   python -m minitron.verify --tp 2 --sp --dtype fp8 --fp8-recipe current   FP8 GEMMs vs one device's
+  python -m minitron.verify --tp 2 --sp --dtype fp8 --fp8-recipe blockwise   a scale per block (mxfp8 too)
   python -m minitron.verify --ep 2 --experts 4 --topk 2  experts on 2 ranks (tp defaults to 1)
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
@@ -124,7 +125,10 @@ def _parser() -> argparse.ArgumentParser:
                         "precision's measured noise (see the module docstring)")
     r.add_argument("--fp8-recipe", choices=RECIPES, default=None,
                    help="with --dtype fp8: each tensor's scale from an amax history (delayed, the "
-                        "default) or from its own amax (current)")
+                        "default) or from its own amax (current); or a scale per block: 1x128 "
+                        "tiles and 128x128 weight blocks (blockwise, DeepSeek-V3's), 32-element "
+                        "power-of-two-scaled blocks (mxfp8); blocks shrink to divide every "
+                        "rank's piece (tensor_parallel/fp8_blocks.py)")
     r.add_argument("--no-fp8-amax-reduce", dest="fp8_amax_reduce", action="store_false",
                    help="with --dtype fp8: each rank's own amaxes (default: all-reduced over tp x cp x "
                         "dp); verify refuses it where a tensor is split (no one device casts so)")
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                            **balance_fields(args))
         validate_model(pcfg, mcfg)
         dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe, args.fp8_amax_reduce)
+        fp8 = verify_recipe(fp8, pcfg, mcfg, batch, sched)
         Plant(args.plant).check_fp8(fp8).check_model(mcfg)
         check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)   # a bad ZeRO stage
         check_comparable(pcfg, mcfg, dtype, args.zero, sched, fp8, args.reference_routing)
@@ -256,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         scale = f" loss_scale={FP16_LOSS_SCALE:g}" if dtype == torch.float16 else ""
         pipeline += f"\ndata parallel: zero={args.zero or 0} bucket_numel={BUCKET_NUMEL}{scale}"
     if fp8 is not None:
-        pipeline += (f"\nfp8: {fp8} in the blocks' GEMMs (E4M3 forward, E5M2 gradients), bf16 "
+        formats = f"E4M3 throughout, blocks of {fp8.block}" if fp8.fine_grained else \
+            "E4M3 forward, E5M2 gradients"
+        pipeline += (f"\nfp8: {fp8} in the blocks' GEMMs ({formats}), bf16 "
                      f"elsewhere; against one device's same FP8 GEMMs")
     if os.environ.get("RANK", "0") == "0":       # under torchrun: once, as the report is
         print(f"{pcfg}\n{mcfg}\nbatch={batch} steps={args.steps} dtype={args.dtype} seed={args.seed} "

@@ -11,6 +11,7 @@ from ..model.splits import validate_model
 from ..config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..runtime.launch import DEFAULT_TIMEOUT, launch
+from ..tensor_parallel.fp8_blocks import fit_block, split_pieces
 from ..train.engine import check_supported, resolve_schedule
 from .checks import Report
 from .plants import Plant
@@ -47,6 +48,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
+    fp8 = verify_recipe(fp8, parallel_config, model_config, batch, sched, seq)
     Plant(plant).check_fp8(fp8)                       # an unknown plant fails here, not in a rank
     if model_config.use_kernels:
         enable_kernels(model_config, parallel_config.world_size)
@@ -61,6 +63,16 @@ def check_comparable(pcfg: ParallelConfig, mcfg: ModelConfig, dtype: torch.dtype
     """What verify refuses: the engine's refusals and what it runs but verify cannot compare
     with one device (minitron/refusals/, every level; Refused)."""
     refusals.check(refusals.Options.of(pcfg, mcfg, dtype, zero, sched, fp8, reference_routing))
+
+
+def verify_recipe(fp8, pcfg: ParallelConfig, mcfg: ModelConfig, batch: int, sched,
+                  seq: int | None = None):
+    """A fine-grained FP8 recipe with blocks no split cuts (tensor_parallel/fp8_blocks.py): the
+    split's casts are then one device's; the others as they are."""
+    if fp8 is None or not fp8.fine_grained:
+        return fp8
+    rows = batch // (pcfg.dp * pcfg.ep * (sched.microbatches if sched is not None else 1))
+    return fit_block(fp8, split_pieces(pcfg, mcfg, rows, seq or mcfg.seq_len))
 
 
 def split_batch(batch: int | None, pcfg: ParallelConfig, sched, what: str) -> int:

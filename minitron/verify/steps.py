@@ -195,7 +195,8 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         grads = gather_state_dict(local_grads, mcfg, grid, placement)
         grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid, tied_across_stages,
                                      over_dp=not run.sharded_grads)
-        scales = gathered_scales(model, ref, grid) if fp8 is not None else None
+        # a per-tensor recipe's scales against one device's (a fine-grained one keeps none: fp8_blocks)
+        scales = gathered_scales(model, ref, grid) if fp8 is not None and not fp8.fine_grained else None
         # which (token, expert) pairs a capacity factor dropped: whole-batch routing, no pipeline
         kept = [_gather_kept(m, grid, tokens.shape[0]) for m in model.moe_layers()] \
             if run.schedule is None else []
