@@ -159,3 +159,74 @@ def test_deferred_weight_gradient_is_the_same_gemm(scaling):
     assert w.grad is None and weight_grad.STORE.pop("k") == 1
     assert torch.equal(w.grad, now[1].grad) and torch.equal(b.grad, now[2].grad)
     assert torch.equal(x.grad, now[0].grad)
+
+
+# ---- a checkpoint: nothing but the count of uses to keep, and a resumed run goes on bit for bit ---
+def _block_train(total, path=None, save_at=None):
+    from minitron.config import ModelConfig
+    from minitron.grid import ParallelConfig
+    from minitron.train import checkpoint
+    from minitron.train.engine import TrainingRun
+    from minitron.tensor_parallel.fp8_linear import fp8_states
+    mcfg = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=2, dropout=0.1)
+    run = TrainingRun(mcfg, ParallelConfig(tp=2, sequence_parallel=True), dtype=torch.bfloat16,
+                      lr=1e-2, fp8=FP8Recipe("mxfp8", block=16))
+    start = checkpoint.load(path, run.model, run.engine, run.optimizer)["step"] \
+        if path is not None and save_at is None else 0
+    losses = []
+    for s in range(start, total):
+        gen = torch.Generator().manual_seed(500 + s)
+        data = torch.randint(0, 64, (4, 9), generator=gen)
+        losses.append(run.step(data[:, :-1], data[:, 1:], s))
+        if save_at == s + 1:
+            checkpoint.save(path, run.model, run.engine, run.optimizer, step=s + 1)
+    return losses, [st.uses for state in fp8_states(run.model) for st in state.scalers()]
+
+
+def test_a_block_scaled_run_resumes_bit_for_bit(run_ranks, tmp_path):
+    path = str(tmp_path / "mx")
+    full, full_uses = run_ranks(_block_train, 4, world_size=2)[0]
+    first, _ = run_ranks(_block_train, 2, path, 2, world_size=2)[0]
+    rest, rest_uses = run_ranks(_block_train, 4, path, world_size=2)[0]
+    assert first + rest == full and rest_uses == full_uses
+
+
+# ---- verify: a correct split casts as one device; each planted fault fails by 3x at least --------
+SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_heads=2, dropout=0.1)
+
+
+def _verify(recipe, plant=None, steps=2):
+    from minitron.config import ModelConfig
+    from minitron.grid import ParallelConfig
+    from minitron.verify import verify
+    return verify(ParallelConfig(tp=2, sequence_parallel=True), ModelConfig(**SMALL), steps,
+                  dtype=torch.bfloat16, fp8=FP8Recipe(recipe), plant=plant)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_verify_blocks_pass_against_one_device(recipe):
+    report = _verify(recipe)
+    assert report.passed, report.table()
+    assert any(r.quantity == "fp8 scales (log2)" for r in report.rows)
+    assert (recipe == "mxfp8") == any("powers of 2" in r.quantity for r in report.rows)
+
+
+@pytest.mark.parametrize("plant,recipe", [("fp8-block-per-tensor", "blockwise"),
+                                          ("fp8-block-per-tensor", "mxfp8"),
+                                          ("fp8-mx-scale-not-pow2", "mxfp8"),
+                                          ("fp8-block-wrong-dim", "blockwise")])
+def test_verify_catches_broken_blocks(plant, recipe):
+    report = _verify(recipe, plant)
+    assert not report.passed
+    worst = max(r.err / r.tol if r.tol else float("inf") for r in report.failures)
+    assert worst >= 3, report.table()
+
+
+def test_plants_need_their_recipe():
+    from minitron.verify.plants import Plant
+    with pytest.raises(ValueError, match="--fp8-recipe blockwise"):
+        Plant("fp8-block-wrong-dim").check_fp8(FP8Recipe("current"))
+    with pytest.raises(ValueError, match="--fp8-recipe mxfp8"):
+        Plant("fp8-mx-scale-not-pow2").check_fp8(FP8Recipe("blockwise"))
+    with pytest.raises(ValueError, match="--fp8-recipe current"):
+        Plant("fp8-unscaled").check_fp8(FP8Recipe("mxfp8"))

@@ -126,8 +126,10 @@ def quantize_blocks(x: torch.Tensor, fmt: torch.dtype, rows: int, cols: int, pow
 
 class BlockScaler:
     """One tensor's casts under a fine-grained recipe: no history, no scale carried between uses
-    (its state is the count of uses only; `history`, `scale` and `last` stay None, so checkpoints
-    and the verifier's per-tensor scale row see nothing to keep or compare)."""
+    (its state is the count of uses only: `history` and `scale` stay None, so a checkpoint keeps
+    nothing else). `last` is the largest block scale of the latest cast, the scale of its
+    smallest block: the max of the ranks' is one device's when no block spans two ranks, which
+    the verifier checks (verify/fp8_rows.py), as it checks a per-tensor scale."""
 
     def __init__(self, fmt: torch.dtype, recipe):
         self.fmt, self.recipe = fmt, recipe
@@ -136,8 +138,14 @@ class BlockScaler:
         self.uses = 0
 
     def cast(self, x: torch.Tensor, rows: int, cols: int) -> Blocks:
-        """x (2-D) in rows x cols blocks (the plants of verify/plants_fp8.py replace this)."""
+        """x (2-D) in rows x cols blocks."""
         self.uses += 1
+        blocks = self.quantize(x, rows, cols)
+        self.last = blocks.s.max()
+        return blocks
+
+    def quantize(self, x: torch.Tensor, rows: int, cols: int) -> Blocks:
+        """The cast itself (the plants of verify/plants_fp8.py replace this)."""
         return quantize_blocks(x, self.fmt, rows, cols, self.pow2)
 
     def state_dict(self) -> dict:

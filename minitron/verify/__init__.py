@@ -53,7 +53,9 @@ the data-parallel engine, the reference through precision.MasterWeightsAdamW), f
 scaled by a fixed 1024 on both sides; under fp8 (`--fp8-recipe delayed|current`) the same FP8
 GEMMs on both sides (tensor_parallel/fp8_linear.py; the reference fuses q, k, v and [gate; up]
 into one GEMM and one scale each, as the split does) with the amaxes reduced over tp x cp x ep x dp,
-so each cast uses the scale one device uses. A bar derived from eps16 cannot tell a 1% error
+so each cast uses the scale one device uses; under `--fp8-recipe blockwise|mxfp8` (a scale per
+block, tensor_parallel/fp8_blocks.py) with blocks no split cuts (the largest power of two up to
+128 or 32 dividing every rank's piece), so each block is one device's block, cast alike. A bar derived from eps16 cannot tell a 1% error
 from bf16's own 0.8% rounding, so these runs are judged against the noise of their own
 precision, measured each step (verify/noise.py, checks.noise_rows): six twins of the reference
 (same weights, masks, FP8 histories) run with every reduction cut in two rounded parts at six
@@ -105,7 +107,7 @@ dtypes.
 
 run.py launches the ranks (verify()), steps.py is each rank's step of both sides, checks.py the
 comparisons (tolerances.py the float32 bars, report.py the rows and verdict, float32_rows.py,
-noise_rows.py and replica_rows.py the rows of each kind), routing.py the routers' choices,
+noise_rows.py, replica_rows.py and fp8_rows.py the rows of each kind), routing.py the routers' choices,
 plants.py the planted bugs that show a check can fail (plants_*.py each layer's, patched in by
 patching.py), compare.py the relative-error helpers the tests and lessons share, cli.py the
 command line.

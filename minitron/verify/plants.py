@@ -28,7 +28,7 @@ from ..train.step import StepHooks
 from .patching import patched
 from .plants_context_parallel import merged_without_rescale
 from .plants_data_parallel import plant_engine
-from .plants_fp8 import install_fp8
+from .plants_fp8 import BLOCK_PLANTS, install_fp8
 from .plants_moe import local_loads, plant_dispatch
 from .plants_pipeline import drops_first_w, passes_back
 from .plants_tp_overlap import misfiled
@@ -80,6 +80,12 @@ PLANTS = {
                             "layers' stay right): their small weights and gradients underflow",
     "fp8-experts-e5m2-forward": "FP8 with experts: the experts' forward casts to E5M2 instead of "
                                 "E4M3 (the dense layers' stay right): one mantissa bit fewer",
+    "fp8-block-per-tensor": "FP8 blockwise / mxfp8: one scale for each rank's whole tensor (448 / "
+                            "its amax) instead of one per block",
+    "fp8-mx-scale-not-pow2": "FP8 mxfp8: each block's scale 448 / amax, not the power of two of "
+                             "the E8M0 scale (floor(log2 amax) - 8)",
+    "fp8-block-wrong-dim": "FP8 blockwise / mxfp8: the inputs' and gradients' tiles along the "
+                           "GEMM's M or N instead of along K (128x1 for 1x128)",
 }
 
 
@@ -150,6 +156,15 @@ class Plant(StepHooks):
         if self.kind == "fp8-stale-amax" and recipe.scaling != "delayed":
             raise ValueError("plant fp8-stale-amax breaks the amax history, which only delayed "
                              "scaling keeps: use --fp8-recipe delayed")
+        if self.kind in BLOCK_PLANTS and not recipe.fine_grained:
+            raise ValueError(f"plant {self.kind} breaks the scales of blocks: use --fp8-recipe "
+                             f"{'mxfp8' if 'mx' in self.kind else 'blockwise'}")
+        if self.kind == "fp8-mx-scale-not-pow2" and recipe.scaling != "mxfp8":
+            raise ValueError("plant fp8-mx-scale-not-pow2 breaks the power-of-two scales of "
+                             "mxfp8: use --fp8-recipe mxfp8")
+        if self.kind.startswith("fp8-") and self.kind not in BLOCK_PLANTS and recipe.fine_grained:
+            raise ValueError(f"plant {self.kind} breaks a per-tensor scale, and {recipe.scaling} "
+                             "has one per block: use --fp8-recipe current")
         return self
 
     def _on_rank_1(self, grid: Grid) -> bool:

@@ -1,6 +1,8 @@
 """The FP8 plants fp8-* (plants.py, --dtype fp8): each patches the scaling of every FP8 layer's
 GEMMs (tensor_parallel/fp8_linear.py): a stale amax history, the weight's scale divided out
-twice, scaling off, E5M2 in the forward, the input scaled by the weight's amax. The fp8-experts-*
+twice, scaling off, E5M2 in the forward, the input scaled by the weight's amax; under the
+fine-grained recipes (fp8_blocks.py) one scale for the whole tensor instead of one per block,
+MX scales that are not powers of two, and tiles along the wrong dimension. The fp8-experts-*
 plants patch the experts' GEMMs only (tensor_parallel/fp8_batched.py): every scale 1, or E5M2
 in their forward; the dense layers stay right."""
 from __future__ import annotations
@@ -9,6 +11,7 @@ import torch
 
 from ..tensor_parallel.fp8 import E4M3, E5M2, delayed_scale, scale_from_amax
 from ..tensor_parallel.fp8_batched import ExpertState
+from ..tensor_parallel.fp8_blocks import quantize_blocks
 from ..tensor_parallel.fp8_linear import named_fp8_states
 from .patching import patched
 
@@ -19,7 +22,9 @@ def install_fp8(kind: str, model) -> None:
     if kind.startswith("fp8-experts-"):
         return _install_in_experts(kind, [s for s in states if isinstance(s, ExpertState)])
     for state in states:
-        if kind == "fp8-double-scale":
+        if kind in BLOCK_PLANTS:
+            _break_blocks(state, kind)
+        elif kind == "fp8-double-scale":
             _divide_weight_scale_twice(state)
         elif kind == "fp8-unscaled":
             for scaler in state.scalers():
@@ -107,3 +112,21 @@ def _divide_weight_scale_twice(state) -> None:
         y = _DividedOnceMore.apply(linear(x, weight, None), used[-1])
         return y + bias if bias is not None else y
     state.weight._scale_for, state.linear = recorded, planted
+
+
+BLOCK_PLANTS = ("fp8-block-per-tensor", "fp8-mx-scale-not-pow2", "fp8-block-wrong-dim")
+
+
+def _break_blocks(state, kind: str) -> None:
+    """Replace the cast of each of the layer's BlockScalers (fp8_blocks.BlockScaler.quantize):
+      fp8-block-per-tensor   one block, the whole local tensor: one scale, 448 / its amax
+      fp8-mx-scale-not-pow2  each block's scale max / amax, not the power of two E8M0 holds
+      fp8-block-wrong-dim    the input's and gradient's tiles turned: 128 x 1 where the GEMM's
+                             K runs along the row (and 1 x 128 where it runs down the column)"""
+    for sc in state.scalers():
+        if kind == "fp8-block-per-tensor":
+            sc.quantize = lambda x, rows, cols, sc=sc: quantize_blocks(x, sc.fmt, *x.shape, False)
+        elif kind == "fp8-mx-scale-not-pow2":
+            sc.quantize = lambda x, rows, cols, sc=sc: quantize_blocks(x, sc.fmt, rows, cols, False)
+        elif sc is not state.weight:
+            sc.quantize = lambda x, rows, cols, sc=sc: quantize_blocks(x, sc.fmt, cols, rows, sc.pow2)

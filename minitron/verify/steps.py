@@ -21,9 +21,9 @@ from ..config import ModelConfig
 from ..model.convert import gather_state_dict, grads_state_dict, shard_state_dict
 from ..model.reference import GPT
 from ..runtime import comm
-from ..tensor_parallel.fp8_linear import SCALERS, named_fp8_states
 from ..train.engine import SIXTEEN_BIT, TrainingRun
-from .checks import (C_NORM, Row, float32_tolerance, grad_rows, noise_rows, noise_stats, replica_rows, sum_rows,
+from .fp8_rows import gathered_scales, pow2_row, scale_row
+from .checks import (Row, float32_tolerance, grad_rows, noise_rows, noise_stats, replica_rows, sum_rows,
                      update_rows)
 from . import noise, routing
 from .bias_rows import bias_rows, gathered_biases
@@ -195,8 +195,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         grads = gather_state_dict(local_grads, mcfg, grid, placement)
         grad_replicas = replica_rows(step, "grads", local_grads, mcfg, grid, tied_across_stages,
                                      over_dp=not run.sharded_grads)
-        # a per-tensor recipe's scales against one device's (a fine-grained one keeps none: fp8_blocks)
-        scales = gathered_scales(model, ref, grid) if fp8 is not None and not fp8.fine_grained else None
+        scales = gathered_scales(model, ref, grid) if fp8 is not None else None
         # which (token, expert) pairs a capacity factor dropped: whole-batch routing, no pipeline
         kept = [_gather_kept(m, grid, tokens.shape[0]) for m in model.moe_layers()] \
             if run.schedule is None else []
@@ -226,6 +225,8 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
             rows += drop_rows(step, kept, ref, tokens.shape) + grad_replicas
             if scales is not None:
                 rows += [scale_row(step, scales, ref, twins)]
+            if scales is not None and fp8.scaling == "mxfp8":
+                rows += [pow2_row(step, scales, ref)]
         # Both optimizers step on the reference's gradients: the step is checked on its own.
         ref_grads = _from_rank0({n: p.grad if lead else torch.empty_like(p)
                                  for n, p in ref.named_parameters()}, grid)
@@ -259,46 +260,6 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
                 rows += update_rows(step, new_masters, old_masters, ref_new_masters, ref_old_masters,
                                     kind="master")
     return rows if lead else None
-
-
-def _scale_names(ref) -> list[tuple[str, int]]:
-    return [(name, k) for name in named_fp8_states(ref) for k in range(len(SCALERS))]
-
-
-def gathered_scales(model, ref, grid) -> torch.Tensor:
-    """The latest scale of every FP8 scaler of the split model, in the reference's order, on
-    every rank (0 for a layer of another stage, or an expert of another ep rank; all-reduces,
-    max, over pp and ep: collective)."""
-    mine = named_fp8_states(model)
-    out = torch.zeros(len(_scale_names(ref)), device=grid.device)
-    # a replica's (dp, cp, ep) gradients are of its own mean loss: dense_dp times the whole
-    # batch's, so its gradient scales are 1/dense_dp of one device's (the casts are the same)
-    replicas = grid.dense_dp.size
-    for i, (name, k) in enumerate(_scale_names(ref)):
-        if name in mine and mine[name].scalers()[k].last is not None:
-            out[i] = mine[name].scalers()[k].last * (replicas if SCALERS[k] == "grad" else 1)
-    return comm.all_reduce(comm.all_reduce(out, grid.pp, op="max"), grid.ep, op="max")
-
-
-SCALE_FLOOR = 1 / 16   # log2: an amax one device and a split see a few bf16 roundings apart
-
-
-def scale_row(step: int, scales: torch.Tensor, ref, twins) -> Row:
-    """With the amaxes reduced over tp x cp x ep x dp every cast must use the scale one device uses:
-    the largest |log2(scale / the reference's)| over every scaler, against C_NORM times the
-    twins' (at least SCALE_FLOOR: 4%, a few roundings of a bf16 amax)."""
-    def of(model):
-        states = named_fp8_states(model)
-        return torch.stack([states[n].scalers()[k].last.float().reshape(()) for n, k in _scale_names(ref)])
-    r = of(ref).to(scales.device).double()
-    off = lambda a: (a.double() / r).log2().abs()
-    floor = max([float(off(of(t).to(r.device)).max()) for t in twins] + [SCALE_FLOOR])
-    diffs = off(scales)
-    err, worst = float(diffs.max()), int(diffs.argmax())
-    name, k = _scale_names(ref)[worst]
-    detail = "" if err <= C_NORM * floor else (
-        f"{name} {SCALERS[k]} scale {float(scales[worst]):.4g}, one device's {float(r[worst]):.4g}")
-    return Row(step, "fp8 scales (log2)", err, C_NORM * floor, detail)
 
 
 def low_precision_rows(step: int, out, logits, grads: dict, scale: float, ref, ref_scale: float,
