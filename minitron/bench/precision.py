@@ -7,6 +7,10 @@ the precision differs (train.precision.resolve_precision). Writes the per-step l
 (bench/results/precision_fp8.csv, headed by the date and the command) and the curves overlaid
 (lessons/figures/fp8_loss_curves.png), and prints the gap: each run's mean training loss
 over the last `--tail` steps and its held-out loss, against float32's.
+
+Then, side by side, what one cast costs each FP8 recipe on an activation with outliers
+(quantization_errors): one scale per tensor (current scaling), per 1x128 tile (blockwise) and
+per 32-element E8M0 block (mxfp8); `--quantization` prints that table alone, without training.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from ..train import data
 from ..train.engine import TrainingRun
 from ..train.precision import resolve_precision
 from ..train.lr import learning_rate
+from ..tensor_parallel.fp8 import E4M3, amax, dequantize, quantize, scale_from_amax
+from ..tensor_parallel.fp8_blocks import quantize_blocks
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 RUNS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),
@@ -42,7 +48,49 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tail", type=int, default=20, help="steps the final training loss is averaged over")
     p.add_argument("--csv", default=os.path.join(ROOT, "bench", "results", "precision_fp8.csv"))
     p.add_argument("--figure", default=os.path.join(ROOT, "lessons", "figures", "fp8_loss_curves.png"))
+    p.add_argument("--quantization", action="store_true",
+                   help="print only the quantization errors of the FP8 recipes (no training)")
     return p
+
+
+def outlier_activation(ratio: float, tokens: int = 256, features: int = 512, seed: int = 0):
+    """[tokens, features] bf16 values of std 1, and 8 entries `ratio` times that."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, features, generator=g)
+    x[torch.randint(0, tokens, (8,), generator=g), torch.randint(0, features, (8,), generator=g)] = ratio
+    return x.bfloat16().float()
+
+
+def _per_tensor(x: torch.Tensor) -> torch.Tensor:
+    """x cast with one scale, 448 / its amax (current scaling), and back."""
+    s = scale_from_amax(amax(x), E4M3)
+    return dequantize(quantize(x, s, E4M3), s)
+
+
+def quantization_errors(ratios=(1e2, 1e4, 1e6)) -> dict[float, dict[str, tuple[float, float]]]:
+    """{ratio: {recipe: (relative error of every entry, of all but the outliers)}} of one E4M3
+    cast of outlier_activation(ratio): ||x - dequant(cast(x))|| / ||x||."""
+    casts = {"per-tensor": _per_tensor,
+             "blockwise 1x128": lambda x: quantize_blocks(x, E4M3, 1, 128, pow2=False).dequantize(),
+             "mxfp8 1x32": lambda x: quantize_blocks(x, E4M3, 1, 32, pow2=True).dequantize()}
+    out = {}
+    for ratio in ratios:
+        x = outlier_activation(ratio)
+        rest = x.abs() < ratio / 2
+        err = lambda e, m: float(e[m].norm() / x[m].norm())
+        out[ratio] = {name: (err(c(x) - x, torch.ones_like(rest)), err(c(x) - x, rest))
+                      for name, c in casts.items()}
+    return out
+
+
+def quantization_table(errors: dict) -> list[str]:
+    names = list(next(iter(errors.values())))
+    lines = ["one E4M3 cast of a [256, 512] activation (std 1) with 8 outliers: relative error, "
+             "all entries / all but the outliers",
+             f"{'outliers':>9} " + " ".join(f"{n:>22}" for n in names)]
+    for ratio, row in errors.items():
+        lines.append(f"{ratio:>8.0e}x " + " ".join(f"{a:>10.2e} / {r:>9.2e}" for a, r in row.values()))
+    return lines
 
 
 def train_all(args) -> dict[str, dict]:
@@ -109,11 +157,15 @@ def gaps(results: dict, tail: int) -> list[str]:
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.quantization:
+        print("\n".join(quantization_table(quantization_errors())))
+        return 0
     results = launch(train_all, args, world_size=1)[0]
     command = "python -m minitron.bench precision " + " ".join(argv)
     write_csv(args.csv, results, command.strip())
     plot(args.figure, results, args.tail)
     print("\n".join(gaps(results, args.tail)))
+    print("\n".join(quantization_table(quantization_errors())))
     print(f"wrote {os.path.relpath(args.csv)} and {os.path.relpath(args.figure)}")
     return 0
 

@@ -86,7 +86,9 @@ def parser() -> argparse.ArgumentParser:
            "with the blocks' GEMMs in FP8 (E4M3 forward, E5M2 gradients)")
     o("--fp8-recipe", choices=RECIPES, default=None,
       help="with --dtype fp8: scales from an amax history (delayed, the default) or from each "
-           "tensor's own amax (current)")
+           "tensor's own amax (current); or a scale per block, E4M3 throughout: 1x128 tiles and "
+           "128x128 weight blocks (blockwise, DeepSeek-V3's) or 32-element blocks with power-of-"
+           "two scales (mxfp8), each rank's blocks its own (tensor_parallel/fp8_blocks.py)")
     o("--no-fp8-amax-reduce", dest="fp8_amax_reduce", action="store_false",
       help="with --dtype fp8: each rank scales its own pieces by their own amax (default: amaxes "
            "all-reduced over tp x cp x ep x dp, one scale per logical tensor, as Megatron-Core)")
