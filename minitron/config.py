@@ -155,6 +155,9 @@ class ModelConfig:
     bias_update_rate: float = 1e-3        # gamma: after every optimizer step each expert's bias
     #                                       moves by +-gamma toward the mean load (DeepSeek-V3's
     #                                       0.001; Megatron-Core's moe_router_bias_update_rate)
+    max_groups: int | None = None         # node-limited routing (moe/router.py): each token's
+    expert_groups: int | None = None      # experts lie in its max_groups best of expert_groups
+    #                                       equal groups (None, None: no limit)
 
     def __post_init__(self):
         for field in ("vocab_size", "seq_len", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
@@ -195,6 +198,10 @@ class ModelConfig:
             raise ConfigError("{expert_bias} steers the routers of MoE layers, and {n_experts} "
                               "has none", {"expert_bias": True, "n_experts": 0},
                               [{"n_experts": 4}, {"expert_bias": False}])
+        if self.max_groups is not None and not self.n_experts:
+            raise ConfigError("{max_groups} limits the routers of MoE layers, and {n_experts} has none",
+                              {"max_groups": self.max_groups, "n_experts": 0},
+                              [{"n_experts": 8}, {"max_groups": None}])
         if not self.n_experts:
             return
         rate = self.bias_update_rate
@@ -221,6 +228,7 @@ class ModelConfig:
             if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
                 raise ConfigError("{%s} must be a finite number >= 0" % field, {field: value},
                                   [{field: _default(field)}])
+        self._validate_groups()
         if self.recompute == "full":
             raise ConfigError("{recompute} reruns each block under a checkpoint whose first "
                               "forward keeps no graph, so the routers' auxiliary losses would get "
@@ -232,6 +240,28 @@ class ModelConfig:
                               "softmax([x]) = 1, so the router never learns",
                               {"topk": 1, "router_pre_softmax": False},
                               [{"router_pre_softmax": True}, {"aux_loss_coeff": 0.01}])
+
+    def _validate_groups(self) -> None:
+        """Node-limited routing: G divides E, 1 <= M <= G, M divides topk, k/M <= E/G."""
+        G, M, E, k = self.expert_groups, self.max_groups, self.n_experts, self.topk
+        if M is None:
+            if G is not None:
+                raise ConfigError("{expert_groups} groups the experts for {max_groups}",
+                                  {"expert_groups": G, "max_groups": None},
+                                  [{"max_groups": 1}, {"expert_groups": None}])
+            return
+        if type(G) is not int or G < 1 or E % G:
+            raise ConfigError("{expert_groups} must divide {n_experts} (equal groups)",
+                              {"expert_groups": G, "n_experts": E},
+                              [{"expert_groups": g} for g in near(divisors(E), G if type(G) is int else 1)])
+        if type(M) is not int or not 1 <= M <= G:
+            raise ConfigError("{max_groups}: each token keeps 1 to {expert_groups} groups",
+                              {"max_groups": M, "expert_groups": G}, [{"max_groups": 1}])
+        if k % M or k // M > E // G:
+            works = [m for m in divisors(k) if m <= G and k // m <= E // G]
+            raise ConfigError("{max_groups} must divide {topk} into topk/max_groups experts per "
+                              f"group, at most the {E // G} a group has", {"max_groups": M, "topk": k},
+                              [{"max_groups": m} for m in near(works, M)] or [{"topk": M}])
 
     def is_moe_layer(self, i: int) -> bool:
         """Does layer i hold a mixture of experts (Megatron's moe_layer_freq pattern)?"""

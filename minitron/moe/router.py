@@ -13,6 +13,15 @@ backward, after every optimizer step: b_e += rate * sign(mean load - load_e) (se
 `update_expert_bias`; the step's load summed over the ranks and micro-batches, moe/balance.py).
 b is float32 whatever the scores' dtype, so `scores + b` chooses in float32.
 
+Node-limited routing (optional, DeepSeek-V3 sec. 2.1.2; DeepSeek-V2's device-limited routing;
+Megatron-Core's moe_router_num_groups / moe_router_group_topk): the E experts form G equal
+groups of consecutive experts (group g: experts g*E/G .. (g+1)*E/G - 1). With G = ep (the
+default of the command lines) group g is exactly ep rank g's experts, so a group stands for
+the ranks of one node. Each token scores every group by the sum of its k/M largest choosing
+scores (bias included), keeps the M best groups, and takes its top-k among their experts only
+(`limit_groups`: the others are -inf for choosing; the gates are those of the chosen experts,
+as without the limit). Its k rows then go to at most M groups' ranks.
+
 Capacity (optional). Each expert takes at most C = ceil(capacity_factor * s * k / E) tokens
 of each sequence of s tokens; the rest of its tokens are dropped in sequence order (the first
 C to arrive are kept, Megatron's "position" policy). Per sequence rather than per batch, the
@@ -60,12 +69,26 @@ def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = No
     probs = torch.softmax(logits.float(), dim=-1).to(logits.dtype)
     scores = probs if cfg.router_pre_softmax else logits
     choose = scores if bias is None else scores + bias          # the bias steers choice only
+    if cfg.max_groups is not None:                               # node-limited routing
+        choose = limit_groups(choose, cfg.expert_groups, cfg.max_groups, cfg.topk)
     own = torch.topk(choose.detach(), cfg.topk, dim=-1).indices
     experts = own if imposed is None else imposed
     picked = scores.gather(-1, experts)
     gates = picked if cfg.router_pre_softmax else torch.softmax(picked, dim=-1)
     keep = torch.ones_like(experts, dtype=torch.bool)
     return Routing(experts, gates, probs, logits, keep, None if imposed is None else own)
+
+
+def limit_groups(scores: torch.Tensor, groups: int, max_groups: int, topk: int) -> torch.Tensor:
+    """`scores` [n, E] with -inf at every expert outside each token's `max_groups` best of
+    `groups` equal groups, a group scored by the sum of its topk // max_groups largest scores
+    (DeepSeek-V3). For choosing only."""
+    n, E = scores.shape
+    per_group = scores.detach().reshape(n, groups, E // groups)
+    group_scores = per_group.topk(topk // max_groups, dim=-1).values.sum(-1)       # [n, G]
+    best = group_scores.topk(max_groups, dim=-1).indices
+    allowed = torch.zeros(n, groups, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+    return scores.masked_fill(~allowed.repeat_interleave(E // groups, dim=1), float("-inf"))
 
 
 def capacity(cfg: ModelConfig, seq: int) -> int | None:

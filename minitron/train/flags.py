@@ -69,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
            "DeepSeek-V3's aux-loss-free per-expert router bias (no auxiliary loss)")
     m("--bias-update-rate", type=float, default=None,
       help="with --balance aux-free: how far each expert's bias moves per step (default 1e-3)")
+    m("--max-nodes", type=int, default=None, dest="max_nodes",
+      help="node-limited routing (DeepSeek-V3): each token's experts lie in at most this many "
+           "expert groups, chosen by the sum of their top-(topk/this) scores")
+    m("--expert-groups", type=int, default=None, dest="expert_groups",
+      help="with --max-nodes: equal groups of consecutive experts (default --ep: one group per "
+           "ep rank, each standing for a node)")
     m("--aux-loss-scope", choices=CHOICES["aux_loss_scope"], default=None,
       help="whose tokens the balance loss counts in each micro-batch: every replica's (global, "
            "the default: the curve does not depend on dp x ep) or each dp x ep replica's own")
@@ -117,7 +123,8 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "norm": "--norm", "activation": "--activation", "position": "--position",
          "dropout": "--dropout", "recompute": "--recompute", "n_experts": "--experts", "topk": "--topk",
          "capacity_factor": "--capacity-factor", "aux_loss_scope": "--aux-loss-scope",
-         "expert_bias": "--balance aux-free", "bias_update_rate": "--bias-update-rate", "lr": "--lr", "eps": "--eps", "dtype": "--dtype"}
+         "expert_bias": "--balance aux-free", "bias_update_rate": "--bias-update-rate",
+         "max_groups": "--max-nodes", "expert_groups": "--expert-groups", "lr": "--lr", "eps": "--eps", "dtype": "--dtype"}
 
 _MODEL_FLAGS = {"kv_heads": "n_kv_heads", "norm": "norm", "activation": "activation",
                 "position": "position", "dropout": "dropout", "recompute": "recompute",
@@ -144,6 +151,15 @@ def balance_fields(args) -> dict:
     return out
 
 
+def group_fields(args) -> dict:
+    """ModelConfig's node-limited routing fields from --max-nodes and --expert-groups (default
+    --ep when --max-nodes is given: group g is ep rank g's experts)."""
+    groups = args.expert_groups
+    if groups is None and args.max_nodes is not None:
+        groups = args.ep
+    return {"max_groups": args.max_nodes, "expert_groups": groups}
+
+
 def model_config(args) -> ModelConfig:
     """The ModelConfig the flags ask for; a flag left out keeps ModelConfig's default."""
     given = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items()
@@ -151,7 +167,7 @@ def model_config(args) -> ModelConfig:
     return ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
                        n_layers=args.layers, n_heads=args.heads, tie_embeddings=args.tie,
                        use_kernels=args.kernels, n_experts=args.experts, topk=args.topk,
-                       capacity_factor=args.capacity_factor, **given, **balance_fields(args))
+                       capacity_factor=args.capacity_factor, **given, **balance_fields(args), **group_fields(args))
 
 
 def configure(args) -> tuple[ModelConfig, ParallelConfig]:

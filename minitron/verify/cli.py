@@ -19,7 +19,7 @@ from ..runtime import placement
 from ..pipeline.schedules import SCHEDULES
 from . import __doc__ as VERIFY_DOC
 from .plants import Plant
-from ..train.flags import BALANCE, UsageError, _Parser, balance_fields
+from ..train.flags import BALANCE, UsageError, _Parser, balance_fields, group_fields
 from ..tensor_parallel.fp8 import RECIPES
 from ..train.engine import check_supported, resolve_schedule, uses_engine
 from ..train.precision import PRECISIONS, resolve_precision
@@ -53,6 +53,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --ep 2 --tp 2 --sp --experts 4
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
   python -m minitron.verify --ep 2 --dp 2 --experts 4
+  python -m minitron.verify --ep 2 --experts 8 --max-nodes 1   each token's experts on one ep rank
   python -m minitron.verify --ep 2 --experts 4 --dtype bfloat16 --reference-routing
   python -m minitron.verify --tp 8 --dp 2 --gpus-per-node 4 --explain   which groups leave a node
   python -m minitron.verify --tp 2 --cp 2 --ep 2 --explain --expert-layout megatron-core --expert-tp 1
@@ -82,8 +83,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "capacity_factor": "--capacity-factor", "router_pre_softmax": "--pre-softmax",
          "aux_loss_coeff": "--aux-loss", "aux_loss_scope": "--aux-loss-scope", "z_loss_coeff": "--z-loss",
          "expert_bias": "--balance aux-free", "bias_update_rate": "--bias-update-rate",
-         "lr": "--lr", "eps": "--eps",
-         "dtype": "--dtype", "expert_tp": "--expert-tp", "expert_layout": "--expert-layout"}
+         "max_groups": "--max-nodes", "expert_groups": "--expert-groups", "lr": "--lr", "eps": "--eps", "dtype": "--dtype", "expert_tp": "--expert-tp", "expert_layout": "--expert-layout"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
                         "compared with one device's bitwise")
     e.add_argument("--bias-update-rate", type=float, default=None,
                    help="with --balance aux-free: the bias step per optimizer step (default 1e-3)")
+    e.add_argument("--max-nodes", type=_positive, help="node-limited routing: each token's experts in at most "
+                   "this many expert groups (minitron/moe/router.py)")
+    e.add_argument("--expert-groups", type=_positive, help="with --max-nodes: groups (default --ep)")
     e.add_argument("--aux-loss-scope", choices=CHOICES["aux_loss_scope"], default="global",
                    help="whose tokens the balance loss counts: every replica's (global) or each "
                         "dp x ep replica's own (replica: not comparable beyond one replica)")
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                            n_experts=args.experts, topk=args.topk, moe_every=args.moe_every,
                            capacity_factor=args.capacity_factor, router_pre_softmax=args.pre_softmax,
                            aux_loss_scope=args.aux_loss_scope, z_loss_coeff=args.z_loss,
-                           **balance_fields(args))
+                           **balance_fields(args), **group_fields(args))
         validate_model(pcfg, mcfg)
         dtype, fp8 = resolve_precision(args.dtype, args.fp8_recipe, args.fp8_amax_reduce)
         fp8 = verify_recipe(fp8, pcfg, mcfg, batch, sched)
