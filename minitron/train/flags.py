@@ -167,7 +167,8 @@ def model_config(args) -> ModelConfig:
     return ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
                        n_layers=args.layers, n_heads=args.heads, tie_embeddings=args.tie,
                        use_kernels=args.kernels, n_experts=args.experts, topk=args.topk,
-                       capacity_factor=args.capacity_factor, **given, **balance_fields(args), **group_fields(args))
+                       capacity_factor=args.capacity_factor, **given, **balance_fields(args),
+                       **group_fields(args))
 
 
 def configure(args) -> tuple[ModelConfig, ParallelConfig]:
