@@ -83,21 +83,27 @@ class AllToAllDispatcher:
         rows = x[torch.div(sent_pairs, top_k, rounding_mode="floor")]
         received = all_to_all(rows, self.group, recv_splits, send_splits)
         # 4. experts: rows arrive ordered by source, then local expert; a stable sort by
-        #    local expert makes each expert's rows one block for the grouped matmul
-        expert_of_row = torch.repeat_interleave(torch.arange(n_local, device=device).repeat(n_members),
-                                                recv_counts.reshape(-1))
-        by_expert = torch.sort(expert_of_row, stable=True).indices
-        source_of_row = torch.repeat_interleave(torch.arange(n_members, device=device),
-                                                recv_counts.sum(1))
-        # The tp ranks of an expert each return a partial sum of fc2; its bias must be added
-        # once per pair: by the tp rank whose number is the source's tp rank.
-        adds_bias = (source_of_row % self.tp == self.tp_rank)[by_expert]
+        #    local expert makes each expert's rows one block for the grouped matmul. From one
+        #    source (a group of one) they arrive grouped already: nothing to regroup or undo.
         rows_per_expert = recv_counts.sum(0).tolist()
-        y = experts(received[by_expert], rows_per_expert, adds_bias)
+        # adds_bias None: every row adds fc2's bias (tp = 1: each pair meets one shard of its expert)
+        grouped, by_expert, adds_bias = received, None, None
+        if n_members > 1:
+            expert_of_row = torch.repeat_interleave(torch.arange(n_local, device=device).repeat(n_members),
+                                                    recv_counts.reshape(-1))
+            by_expert = torch.sort(expert_of_row, stable=True).indices
+            grouped = received[by_expert]
+        if self.tp > 1:
+            # The tp ranks of an expert each return a partial sum of fc2; its bias must be
+            # added once per pair: by the tp rank whose number is the source's tp rank.
+            source_of_row = torch.repeat_interleave(torch.arange(n_members, device=device),
+                                                    recv_counts.sum(1))
+            adds_bias = (source_of_row % self.tp == self.tp_rank)[by_expert]
+        y = experts(grouped, rows_per_expert, adds_bias)
         # 5. combine: back to arrival order, back to the senders (the splits swapped), and
         #    every pair's tp partial sums added up where the pair came from
-        arrival_order = torch.argsort(by_expert)
-        returned = all_to_all(y[arrival_order], self.group, send_splits, recv_splits)
+        arrived = y if by_expert is None else y[torch.argsort(by_expert)]
+        returned = all_to_all(arrived, self.group, send_splits, recv_splits)
         y_pairs = x.new_zeros(n_tokens * top_k, hidden).index_add(0, sent_pairs, returned)
         return combine(y_pairs, r)
 
