@@ -182,7 +182,8 @@ def _measured_worker(name, pp, m):
     model = PipelineGPT(cfg, grid, sched.stage_rank)
     tokens, targets = make_batch(0, 0, m, cfg.seq_len, cfg.vocab_size)
     model.rng.reset(0)
-    result = executor.run_schedule(sched, model, tokens, targets, keep_outputs=False, track_memory=True)
+    result = executor.run_schedule(sched, model, tokens, targets, keep_outputs=False, track_memory=True,
+                                   start_line=True)
     timeline = measure.gather_timeline(sched, result.events, grid)
     return timeline, result.peak_alive, result.peak_bytes, result.unit_bytes
 

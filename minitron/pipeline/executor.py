@@ -25,10 +25,10 @@ Dropout masks are keyed by (step seed, global layer, call, global batch row)
 micro-batch holds (`rng.rows_from`) and the stage names its global layers: the masks are the
 reference's whatever order the schedule runs the work in.
 
-Every compute action is timed (time.perf_counter after a barrier: one clock for every process
-on a machine) into actions.Event rows, so a real run gives an actions.Timeline of the same form
-as the simulator's, and the activation memory it keeps alive can be measured (memory.py):
-measure.py launches a schedule on real processes and gathers both.
+Every compute action is timed (time.perf_counter: one clock for every process on a machine)
+into actions.Event rows, so a real run gives an actions.Timeline of the same form as the
+simulator's, and the activation memory it keeps alive can be measured (memory.py): measure.py
+launches a schedule on real processes (after a barrier: one start line) and gathers both.
 """
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def last_backward_tail(actions: list[Action], microbatches: int) -> int | None:
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
                  *, layout: str = "zigzag", keep_outputs: bool = True, track_memory: bool = False,
                  first_row: int = 0, finalize_grads: bool = True,
-                 on_last_backward=None) -> StepResult:
+                 on_last_backward=None, start_line: bool = False) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank;
     a cp rank runs its own chunks of every sequence).
 
@@ -251,11 +251,15 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     the global batch (dropout masks are keyed by global row), and finalize_grads=False: its
     engine's finish_grad_sync does the same sums on the gradient pieces it keeps.
     `on_last_backward()` is called once, where the rank's last micro-batch's backward begins
-    (last_backward_tail): a data-parallel engine turns its sync on there."""
+    (last_backward_tail): a data-parallel engine turns its sync on there.
+    start_line=True: a barrier over every rank first, so the ranks' clocks start together (a
+    measured timeline, measure.py). A training step needs none: the first messages order the
+    ranks, and a barrier is one more round trip every step."""
     check_schedule_fits(schedule, model, tokens.shape[0])
     run = _Run(schedule, model, tokens, targets, layout, keep_outputs, track_memory, first_row)
     weight_grad.STORE.clear()
-    comm.barrier(comm.Group("world", range(model.grid.world_size)))   # one start line for the clocks
+    if start_line:
+        comm.barrier(comm.Group("world", range(model.grid.world_size)))
     run.run(schedule.actions[model.grid.pp.rank], on_last_backward)
     if weight_grad.STORE.queues:
         left = sorted(weight_grad.STORE.queues, key=str)

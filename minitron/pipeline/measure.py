@@ -45,7 +45,7 @@ def _measure_rank(schedule: Schedule, mcfg: ModelConfig, pcfg: ParallelConfig, b
         model.zero_grad(set_to_none=True)
         model.rng.reset(seed * 1_000 + step)
         result = run_schedule(schedule, model, data[:, :-1], data[:, 1:], keep_outputs=False,
-                              track_memory=track_memory)
+                              track_memory=track_memory, start_line=True)
     timeline = gather_timeline(schedule, result.events, grid)
     peak = torch.tensor([[result.peak_alive, result.peak_bytes]], dtype=torch.float64, device=grid.device)
     peaks = comm.all_gather(peak, grid.pp, dim=0).cpu().tolist()
