@@ -54,7 +54,7 @@ EXAMPLES = """examples:
   python -m minitron.verify --ep 4 --experts 8 --capacity-factor 1.0
   python -m minitron.verify --ep 2 --dp 2 --experts 4
   python -m minitron.verify --ep 2 --experts 8 --max-nodes 1   each token's experts on one ep rank
-  python -m minitron.verify --ep 2 --experts 4 --dtype bfloat16 --reference-routing
+  python -m minitron.verify --ep 2 --experts 4 --dtype bfloat16 (the reference's routing, by default in 16 bits)
   python -m minitron.verify --tp 8 --dp 2 --gpus-per-node 4 --explain   which groups leave a node
   python -m minitron.verify --tp 2 --cp 2 --ep 2 --explain --expert-layout megatron-core --expert-tp 1
 
@@ -197,11 +197,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--aux-loss-scope", choices=CHOICES["aux_loss_scope"], default="global",
                    help="whose tokens the balance loss counts: every replica's (global) or each "
                         "dp x ep replica's own (replica: not comparable beyond one replica)")
-    e.add_argument("--reference-routing", action="store_true",
+    e.add_argument("--reference-routing", action=argparse.BooleanOptionalAction, default=None,
                    help="the split model's routers take the reference's (token, expert) choices, "
-                        "so a rounding flip of a top-k (16-bit) does not end the comparison; "
-                        "without it a 16-bit run counts the choices that differ "
-                        "(minitron/verify/routing.py)")
+                        "so a rounding flip of a top-k does not end the comparison, and their own "
+                        "flips are judged by the reference's scores (default: on in 16 bits and "
+                        "fp8, off in float32; minitron/verify/routing.py)")
     e.add_argument("--z-loss", type=float, default=1e-3, help="router z-loss coefficient")
     return p
 
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         fp8 = verify_recipe(fp8, pcfg, mcfg, batch, sched)
         Plant(args.plant).check_fp8(fp8).check_model(mcfg)
         check_supported(pcfg, mcfg, dtype, args.zero, sched, fp8)   # a bad ZeRO stage
-        check_comparable(pcfg, mcfg, dtype, args.zero, sched, fp8, args.reference_routing)
+        check_comparable(pcfg, mcfg, dtype, args.zero, sched, fp8, bool(args.reference_routing))
         kernels = "kernels=off (plain torch ops)"
         if args.kernels:
             kernels = enable_kernels(mcfg, pcfg.world_size)   # before anything imports triton

@@ -29,7 +29,7 @@ from .patching import patched
 from .plants_context_parallel import merged_without_rescale
 from .plants_data_parallel import plant_engine
 from .plants_fp8 import BLOCK_PLANTS, install_fp8
-from .plants_moe import local_loads, plant_dispatch
+from .plants_moe import local_loads, plant_dispatch, wrong_topk
 from .plants_pipeline import drops_first_w, passes_back
 from .plants_tp_overlap import misfiled
 
@@ -64,6 +64,8 @@ PLANTS = {
                         "under the wrong rank (minitron/tensor_parallel/overlap.py)",
     "moe-unpermute": "experts: the expert outputs are off by one row when the regrouping is "
                      "undone, so they return to the wrong tokens",
+    "moe-topk": "experts: each rank's router gives its first token the expert it scores lowest "
+                "as its first choice (its own top-k, judged against the reference's scores)",
     "moe-route": "experts: each rank sends its first token's first choice to an expert the router "
                  "did not choose (a token sent to the wrong expert)",
     "moe-local-load": "--balance aux-free: each rank updates its expert biases from its own tokens' "
@@ -119,7 +121,7 @@ class Plant(StepHooks):
             return install_fp8(self.kind, model)
         if not self.kind.startswith("moe-"):
             return
-        if self.kind == "moe-local-load":
+        if self.kind in ("moe-local-load", "moe-topk"):
             self.check_model(model.cfg)
             return
         layers = [m for m in model.modules() if hasattr(m, "dispatcher")]
@@ -139,12 +141,16 @@ class Plant(StepHooks):
         elif self.kind in ("pp-wrong-stage", "pp-stale-grad"):
             stack.enter_context(patched(executor._Run, "backward",
                                          passes_back(executor._Run.backward, self.kind, self._sent)))
+        elif self.kind == "moe-topk":
+            stack.enter_context(wrong_topk())
         elif self.kind == "pp-drop-w":
             stack.enter_context(patched(executor._Run, "weights", drops_first_w(executor._Run.weights)))
         return stack
 
     def check_model(self, cfg) -> "Plant":
         """Refuse a plant the model cannot hold (cli.py asks before any rank starts)."""
+        if self.kind == "moe-topk" and not cfg.n_experts:
+            raise ValueError("plant moe-topk needs a model with experts (--experts)")
         if self.kind == "moe-local-load" and not (cfg.n_experts and cfg.expert_bias):
             raise ValueError("plant moe-local-load needs expert biases: add --balance aux-free")
         return self

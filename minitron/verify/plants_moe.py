@@ -1,11 +1,15 @@
 """The expert plants moe-route, moe-split and moe-unpermute (plants.py): one MoE layer's
 dispatch with a fault, its code untouched (the layer's dispatcher is wrapped); and
-moe-local-load: the expert biases moved by this rank's own counts (balance.reduce_loads off)."""
+moe-local-load: the expert biases moved by this rank's own counts (balance.reduce_loads off);
+moe-topk: the split's routers choose one token's expert wrongly (moe/layer.py's route wrapped)."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..moe import balance
+from ..moe import layer as moe_layer
 from .patching import patched
 
 
@@ -46,3 +50,21 @@ def _misroute_first_token(experts: torch.Tensor, n_experts: int) -> torch.Tensor
     wrong = experts.clone()
     wrong[0, 0] = min(set(range(n_experts)) - set(experts[0].tolist()))
     return wrong
+
+
+def wrong_topk():
+    """For the step: the split model's routers (moe/layer.py's `route`; the reference's is
+    moe/reference.py's own import) give each rank's first token, as its first choice, the expert
+    it scores lowest: its own top-k when the reference's is imposed, else the experts it uses."""
+    real = moe_layer.route
+
+    def planted(logits, cfg, bias=None, imposed=None):
+        r = real(logits, cfg, bias, imposed)
+        if not logits.shape[0]:
+            return r
+        which = "experts" if r.own is None else "own"
+        chosen = getattr(r, which).clone()
+        scores = (r.probs if cfg.router_pre_softmax else logits)[0].detach()
+        chosen[0, 0] = next(int(e) for e in scores.argsort() if int(e) not in chosen[0].tolist())
+        return dataclasses.replace(r, **{which: chosen})
+    return patched(moe_layer, "route", planted)

@@ -23,7 +23,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
            batch: int | None = None, seq: int | None = None, timeout: float = DEFAULT_TIMEOUT,
            plant: str | None = None, schedule: str | None = None,
            microbatches: int | None = None, zero: int | None = None,
-           reference_routing: bool = False, fp8=None) -> Report:
+           reference_routing: bool | None = None, fp8=None) -> Report:
     """Launch parallel_config.world_size ranks, compare for `steps` AdamW steps, return the report.
 
     With pp > 1, virtual_pp > 1 or a `schedule` name (pipeline.schedules.SCHEDULES) the model
@@ -33,7 +33,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     With model_config.use_kernels this process's environment may get TRITON_INTERPRET=1
     (see enable_kernels). `reference_routing`: the split model's routers take the reference's
     (token, expert) choices, so a 16-bit rounding flip of a top-k does not end the comparison
-    (verify/routing.py).
+    (verify/routing.py); None (the default): on in 16 bits and FP8 with experts, off otherwise.
     (see enable_kernels). fp8: an FP8Recipe, with dtype=torch.bfloat16 (train.precision.
     resolve_precision): the split model's block GEMMs in FP8, against the float32 reference.
     """
@@ -43,7 +43,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
         parallel_config = dataclasses.replace(parallel_config, virtual_pp=sched.virtual)
     batch = split_batch(batch, parallel_config, sched, "a batch of")
     check_supported(parallel_config, model_config, dtype, zero, sched, fp8)   # a bad ZeRO stage
-    check_comparable(parallel_config, model_config, dtype, zero, sched, fp8, reference_routing)
+    check_comparable(parallel_config, model_config, dtype, zero, sched, fp8, bool(reference_routing))
     if steps < 1 or batch < 1:
         raise ValueError(f"verify needs steps >= 1 and batch >= 1, got steps={steps}, batch={batch}")
     seq = seq or model_config.seq_len

@@ -43,7 +43,7 @@ def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
 
 def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.float32,
                    loss_scale: float = 1.0, microbatches: int = 1, replicas: int = 1,
-                   choices: list | None = None):
+                   choices: list | None = None, scores: list | None = None):
     """The same on the reference: what GPT.forward does, with X kept. (loss_dtype=float64 makes
     a float64 model exact up to float64 rounding: the oracle tests measure float32 against.)
 
@@ -51,10 +51,11 @@ def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.f
     each micro-batch, as the split model's are, so the reference runs the same micro-batches:
     micro-batch k is the k-th of every one of `replicas` data-parallel replicas' rows.
     `choices`, a list: filled with the routers' choices of the whole batch, [b, s, k] per MoE
-    layer (micro-batch by micro-batch, as they were made)."""
+    layer (micro-batch by micro-batch, as they were made); `scores` with the scores they chose
+    by, [b, s, E] (routing.reference_scores)."""
     if microbatches > 1:
         return _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale,
-                                       microbatches, replicas, choices)
+                                       microbatches, replicas, choices, scores)
     ref.rng.reset(step_seed)
     x = ref.embed(tokens)
     x.retain_grad()
@@ -63,11 +64,13 @@ def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.f
     (loss * loss_scale).backward()
     if choices is not None:
         choices[:] = routing.reference_choices(ref, tokens.shape)
+    if scores is not None:
+        scores[:] = routing.reference_scores(ref, tokens.shape)
     return x, logits, loss
 
 
 def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale, m, replicas,
-                            choices=None):
+                            choices=None, scores=None):
     b = tokens.shape[0] // replicas
     mb = b // m
     x_all = torch.empty(*tokens.shape, ref.cfg.hidden, dtype=next(ref.parameters()).dtype,
@@ -85,6 +88,12 @@ def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_sc
                 choices[:] = [torch.zeros(*tokens.shape, ref.cfg.topk, dtype=torch.int64,
                                           device=tokens.device) for _ in ref.moe_layers()]
             for full, mine in zip(choices, routing.reference_choices(ref, tokens[rows].shape)):
+                full[rows] = mine
+        if scores is not None:
+            if k == 0:
+                scores[:] = [torch.zeros(*tokens.shape, ref.cfg.n_experts, device=tokens.device)
+                             for _ in ref.moe_layers()]
+            for full, mine in zip(scores, routing.reference_scores(ref, tokens[rows].shape)):
                 full[rows] = mine
         part = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets[rows].flatten()) + ref.moe_loss()
         (part * loss_scale / m).backward()
@@ -127,14 +136,15 @@ def drop_rows(step: int, kept: list[torch.Tensor], ref, shape) -> list[Row]:
 def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.dtype = torch.float32,
              seed: int = 0, lr: float = 1e-4, eps: float = 1e-6, batch: int = 2,
              seq: int | None = None, plant: str | None = None, schedule=None,
-             zero: int | None = None, reference_routing: bool = False, fp8=None) -> list[Row] | None:
+             zero: int | None = None, reference_routing: bool | None = None, fp8=None) -> list[Row] | None:
     """The body every rank runs; rank 0 also runs the reference and returns the rows.
 
     `schedule` (a pipeline Schedule, see train.engine.resolve_schedule): the model is cut into
     its stages and every step runs it with the pipeline executor; the batch is cut into its
     micro-batches. `zero` (0-3), dp or ep > 1 or a 16-bit dtype: a data-parallel engine
     (train/engine.py). `plant` (tests only, see plants.PLANTS) puts a deliberate error in.
-    `reference_routing`: the split model's routers take the reference's choices (routing.py)."""
+    `reference_routing`: the split model's routers take the reference's choices (routing.py);
+    None: only in 16 bits and FP8, where a rounding may flip a top-k."""
     seq, planted = seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
     if fp8 is not None:     # the same FP8 GEMMs, at the split's casting points (fused qkv, [gate; up])
@@ -153,6 +163,8 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     # 16 bits and FP8: the reference in the same precision (fp32 master weights), its errors
     # held against the noise of that precision (checks.noise_rows, verify/noise.py)
     low = dtype in SIXTEEN_BIT
+    if reference_routing is None:
+        reference_routing = bool(mcfg.n_experts) and low
     ref_opt = (MasterWeightsAdamW(ref, lr=lr, eps=eps) if low
                else torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps, weight_decay=WEIGHT_DECAY))
     tol = float32_tolerance(mcfg, batch, seq)
@@ -172,12 +184,14 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         per_microbatch = run.schedule is not None and (mcfg.n_experts or fp8 is not None)
 
         ref_choices: list = []        # the reference's routers' choices, [b, s, k] per layer
+        ref_scores: list = []         # and the scores they chose by, [b, s, E]
 
         def reference(model=ref):
             return reference_step(model, tokens, targets, step_seed, loss_scale=ref_scale,
                                   microbatches=run.schedule.microbatches if per_microbatch else 1,
                                   replicas=grid.ep_dp.size,
-                                  choices=ref_choices if model is ref else None)
+                                  choices=ref_choices if model is ref else None,
+                                  scores=ref_scores if model is ref else None)
         twins = [noise.twin(ref) for _ in noise.SPLITS] if lead and low else []   # before it steps
         ref_out, imposed = None, None
         if reference_routing:     # the reference first: its routers' choices go to the split side
@@ -209,8 +223,8 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
                 if reference_routing else None
         if lead:
             ref_x, ref_logits, ref_loss = ref_out or reference()
-            rows += routing.routing_rows(step, used, own, ref_choices, mcfg.n_experts) \
-                if count_choices else []
+            rows += routing.routing_rows(step, used, own, ref_choices, mcfg.n_experts, ref_scores,
+                                         torch.finfo(dtype).eps) if count_choices else []
             if low:
                 outs = []
                 for frac, twin in zip(noise.SPLITS, twins):
