@@ -1,5 +1,6 @@
 """Shared fixtures. Multi-process tests run on worker pools started once per session."""
 import os
+import sys
 
 import pytest
 import torch
@@ -66,6 +67,25 @@ def run_ranks():
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+def _compiled_kernel_modules() -> list[str]:
+    return [name for name, mod in list(sys.modules.items()) if name.startswith("minitron.kernels.")
+            and any(type(v).__name__ == "JITFunction" for v in vars(mod).values())]
+
+
+@pytest.fixture(autouse=True)
+def _no_compiled_kernels_left_behind():
+    """Without a GPU, a kernel module imported while TRITON_INTERPRET was unset holds kernels
+    compiled for a GPU (triton.jit decides at import), and model/fused.py then refuses
+    use_kernels in this process. A test that leaves such modules behind (the verifier's CLI
+    with its enable_kernels stubbed, say) must not decide what the next test on the same xdist
+    worker can run: they are dropped after each test, to be imported again, under whatever
+    the next one sets."""
+    yield
+    if torch.cuda.device_count() == 0:
+        for name in _compiled_kernel_modules():
+            del sys.modules[name]
 
 
 @pytest.fixture(autouse=True, scope="session")
