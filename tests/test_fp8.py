@@ -21,6 +21,8 @@ from minitron.train.engine import TrainingRun, check_supported
 from minitron.train.precision import resolve_precision
 from minitron.verify import verify
 
+import resumed_run
+
 # (mantissa bits, smallest normal exponent, largest value) read off the bit layouts
 LAYOUT = {E4M3: (3, -6, 448.0), E5M2: (2, -14, 57344.0)}
 
@@ -214,22 +216,9 @@ def _fp8_run():
                        dtype=torch.bfloat16, lr=1e-2, fp8=FP8Recipe("delayed", history_len=4))
 
 
-def _batch(step):
-    gen = torch.Generator().manual_seed(500 + step)
-    data = torch.randint(0, 64, (4, 9), generator=gen)
-    return data[:, :-1], data[:, 1:]
-
-
 def _fp8_train(total, path=None, save_at=None):
-    from minitron.train import checkpoint
-    run, start = _fp8_run(), 0
-    if path is not None and save_at is None:           # resume
-        start = checkpoint.load(path, run.model, run.engine, run.optimizer)["step"]
-    losses = []
-    for s in range(start, total):
-        losses.append(run.step(*_batch(s), s))
-        if save_at == s + 1:
-            checkpoint.save(path, run.model, run.engine, run.optimizer, step=s + 1)
+    run = _fp8_run()
+    losses = resumed_run.train(run, total, path, save_at)
     histories = [st.history.clone() for state in fp8_states(run.model) for st in state.scalers()]
     return losses, histories
 

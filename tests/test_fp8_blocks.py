@@ -14,6 +14,8 @@ from minitron.tensor_parallel.fp8_blocks import (block_scale, fit_block, largest
                                                  quantize_blocks, tiles)
 from minitron.tensor_parallel.fp8_linear import FP8State
 
+import resumed_run
+
 f32 = np.float32
 
 
@@ -165,21 +167,12 @@ def test_deferred_weight_gradient_is_the_same_gemm(scaling):
 def _block_train(total, path=None, save_at=None):
     from minitron.config import ModelConfig
     from minitron.grid import ParallelConfig
-    from minitron.train import checkpoint
     from minitron.train.engine import TrainingRun
     from minitron.tensor_parallel.fp8_linear import fp8_states
     mcfg = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=2, dropout=0.1)
     run = TrainingRun(mcfg, ParallelConfig(tp=2, sequence_parallel=True), dtype=torch.bfloat16,
                       lr=1e-2, fp8=FP8Recipe("mxfp8", block=16))
-    start = checkpoint.load(path, run.model, run.engine, run.optimizer)["step"] \
-        if path is not None and save_at is None else 0
-    losses = []
-    for s in range(start, total):
-        gen = torch.Generator().manual_seed(500 + s)
-        data = torch.randint(0, 64, (4, 9), generator=gen)
-        losses.append(run.step(data[:, :-1], data[:, 1:], s))
-        if save_at == s + 1:
-            checkpoint.save(path, run.model, run.engine, run.optimizer, step=s + 1)
+    losses = resumed_run.train(run, total, path, save_at)
     return losses, [st.uses for state in fp8_states(run.model) for st in state.scalers()]
 
 

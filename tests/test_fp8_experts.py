@@ -15,6 +15,8 @@ from minitron.tensor_parallel.fp8_linear import FP8State, ScaleTape, fp8_linear,
 from minitron.train.engine import TrainingRun
 from minitron.verify import Report, run_rank
 
+import resumed_run
+
 SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1, n_experts=4)
 GRIDS = {"ep2": ParallelConfig(ep=2), "ep2-dp2": ParallelConfig(ep=2, dp=2),
          "ep2-tp2-sp": ParallelConfig(ep=2, tp=2, sequence_parallel=True)}
@@ -164,15 +166,7 @@ def _train(total, path=None, save_at=None):
     from minitron.train import checkpoint
     run = TrainingRun(ModelConfig(**SMALL), ParallelConfig(ep=2, dp=2), zero_stage=1, dtype=torch.bfloat16,
                       lr=1e-2, fp8=FP8Recipe("delayed", history_len=4))
-    start = checkpoint.load(path, run.model, run.engine, run.optimizer)["step"] \
-        if path is not None and save_at is None else 0
-    losses = []
-    for s in range(start, total):
-        gen = torch.Generator().manual_seed(500 + s)
-        data = torch.randint(0, 64, (4, 9), generator=gen)
-        losses.append(run.step(data[:, :-1], data[:, 1:], s))
-        if save_at == s + 1:
-            checkpoint.save(path, run.model, run.engine, run.optimizer, step=s + 1)
+    losses = resumed_run.train(run, total, path, save_at)
     states = named_fp8_states(run.model)
     return losses, {n: [st.history.clone() for st in s.scalers()] for n, s in states.items()}, \
         sorted(checkpoint.fp8_states_of_every_stage(run.model))
