@@ -165,3 +165,23 @@ def test_no_exercise_speaks_of_lines_that_raise():
     for number in sorted(p.name[:2] for p in (ROOT / "solutions").glob("*.ipynb")):
         text = "".join(grader.source(c) for c in _solution(number)["cells"] if c["cell_type"] == "markdown")
         assert "between the lines that raise" not in text, number
+
+
+def test_a_kernel_that_dies_starting_is_started_once_more(tmp_path, monkeypatch):
+    """Under load a kernel can die before it answers (the last CI run: 'Kernel died before
+    replying to kernel_info'); the second start must find its throwaway folder reusable."""
+    from jupyter_client.blocking.client import BlockingKernelClient
+    real, calls = BlockingKernelClient.wait_for_ready, []
+
+    def dies_once(self, timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return real(self, timeout=timeout)
+
+    monkeypatch.setattr(BlockingKernelClient, "wait_for_ready", dies_once)
+    save(DEMO, tmp_path / "solutions" / "07_demo.ipynb")
+    right = _learner(tmp_path / "right", "def double(v):\n    return 2 * v\n")
+    lines = []
+    [g] = grader.grade([right], solutions=tmp_path / "solutions", show=lines.append)
+    assert len(calls) == 2 and g.passed, lines

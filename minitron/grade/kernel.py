@@ -15,6 +15,7 @@ for credit: a user that may run this Python and owns nothing of the course).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -55,6 +56,8 @@ def kernel_python(home: Path) -> str:
     if sys.prefix == sys.base_prefix:
         return real
     env = home / ".python"
+    if (env / "pyvenv.cfg").exists():   # made for an earlier try at starting this kernel
+        return str(env / "bin" / "python")
     (env / "bin").mkdir(parents=True, exist_ok=True)
     (env / "bin" / "python").symlink_to(real)
     (env / "lib").symlink_to(Path(sys.prefix) / "lib")
@@ -137,11 +140,19 @@ class Kernel:
         self.km = _Manager(kernel_spec_manager=specs, kernel_name="python3")
         self.km.owner = user
         self.km.connection_file = str(home / "kernel.json")
+        # Unix sockets in the throwaway folder, not TCP ports: a port picked free can be taken
+        # by another process before the kernel binds it (it died starting, under a loaded CI).
+        self.km.transport, self.km.ip = "ipc", str(home / "kernel-ipc")
         self.km.start_kernel(cwd=str(cwd), env=kernel_env(copy, home), stdout=open(os.devnull, "w"),
                              stderr=open(os.devnull, "w"))
         self.kc = self.km.client()
         self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=startup_timeout)
+        try:
+            self.kc.wait_for_ready(timeout=startup_timeout)
+        except RuntimeError:  # died starting: free its channels and ports before anyone tries again
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
         self.dead = False
 
     def _exit_code(self) -> int | None:
