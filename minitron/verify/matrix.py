@@ -13,8 +13,11 @@ engine and the command lines refuse from); any other error ends the matrix.
 After the grid's rows come the features, each composed with other dimensions (FEATURES): hybrid
 sharding (--dp-shard) under tp2+SP x pp2, hierarchical context parallelism (Ulysses in pairs, a
 ring across) with dp, overlapped TP under pp and dp, FP8 with both recipes (delayed under pp2 x
-dp2, current under tp2+SP x cp2), DualPipeV under tp2+SP, full and selective recomputation, and
-the fused kernels (Triton's interpreter on CPU ranks) under tp2+SP x dp2.
+dp2, current under tp2+SP x cp2), the fine-grained FP8 recipes (blockwise under tp2+SP x dp2,
+MXFP8 under pp2 x dp2), FP8 experts (ep2 x dp2), DualPipeV under tp2+SP, full and selective
+recomputation, the fused kernels (Triton's interpreter on CPU ranks) under tp2+SP x dp2,
+aux-loss-free balancing (ep2 x dp2) and node-limited routing (ep2 x pp2, each token's experts
+on one of the two ep ranks).
 
 The model is the matrix's own (vocab 128, seq 16, hidden 64, 4 layers, 4 heads) unless the
 model options say otherwise (`--vocab 1002 --hidden 200 --heads 8 --kv-heads 2 --seq 24`); the
@@ -67,7 +70,7 @@ class Case:
     cp_variant: str
     dtype: torch.dtype
     # the features (FEATURES): ParallelConfig fields (dp_shard, cp_a2a, tp_comm_overlap),
-    # ModelConfig fields (recompute, use_kernels) and "fp8": a recipe name
+    # ModelConfig fields (MODEL_OPTIONS) and "fp8": a recipe name
     options: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -88,7 +91,9 @@ class Case:
                   "tp-overlap" if o.get("tp_comm_overlap") else None,
                   f"fp8-{o['fp8']}" if "fp8" in o else None,
                   f"recompute-{o['recompute']}" if "recompute" in o else None,
-                  "kernels" if o.get("use_kernels") else None]
+                  "kernels" if o.get("use_kernels") else None,
+                  "aux-free" if o.get("expert_bias") else None,
+                  f"max-nodes {o['max_groups']}" if "max_groups" in o else None]
         return " ".join(parts + [e for e in extra if e])
 
 
@@ -132,6 +137,11 @@ FEATURES = [
     (_sizes(tp=2, pp=2), "1f1b", None, "ring", FP32, {"recompute": "full"}),
     (_sizes(dp=2, pp=2), "1f1b", 3, "ring", BF16, {"recompute": "selective"}),
     (_sizes(tp=2, dp=2), None, 1, "ring", FP32, {"use_kernels": True}),
+    (_sizes(tp=2, dp=2), None, 1, "ring", BF16, {"fp8": "blockwise"}),
+    (_sizes(pp=2, dp=2), "1f1b", 0, "ring", BF16, {"fp8": "mxfp8"}),
+    (_sizes(ep=2, dp=2), None, 1, "ring", BF16, {"fp8": "current"}),             # FP8 experts
+    (_sizes(ep=2, dp=2), None, 1, "ring", FP32, {"expert_bias": True}),          # aux-loss-free
+    (_sizes(ep=2, pp=2), "1f1b", None, "ring", FP32, {"max_groups": 1}),         # node-limited
 ]
 
 
@@ -140,10 +150,15 @@ def features() -> list[Case]:
             for sizes, schedule, zero, variant, dtype, options in FEATURES]
 
 
+MODEL_OPTIONS = ("recompute", "use_kernels", "expert_bias", "max_groups")
+
+
 def model_for(case: Case, base: ModelConfig = DEFAULT_MODEL) -> ModelConfig:
     """The base model (the matrix's own, or the command line's shape), with experts in ep rows
     and the row's model features."""
-    model = {k: v for k, v in case.options.items() if k in ("recompute", "use_kernels")}
+    model = {k: v for k, v in case.options.items() if k in MODEL_OPTIONS}
+    if "max_groups" in model:               # the experts in one group per ep rank ("node")
+        model["expert_groups"] = case.sizes["ep"]
     return dataclasses.replace(base, n_experts=4 if case.sizes["ep"] > 1 else 0, topk=2, **model)
 
 
