@@ -40,7 +40,9 @@ def torch_attention(q, k, v, causal: bool, scale: float, drop=None) -> torch.Ten
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return (p if drop is None else p * drop) @ v
+    if drop is not None:      # drop is keep/(1-p) in float32: one rounding per entry, as the reference's
+        p = (p * drop).to(p.dtype)
+    return p @ v
 
 
 def ulysses_attention(q, k, v, group: Group, causal: bool = True, layout: str = "zigzag",
