@@ -217,7 +217,8 @@ def table(results: list[Result]) -> str:
             lines.append(f"{r.case.label():<{width}}  {r.case.world:>5}  {'-':>8}  {'-':>13}  "
                          f"{'-':>7}  {r.verdict:<7}  {'-':>7}  {r.why}")
             continue
-        margin = f"{r.margin:6.0f}x" if r.margin != float("inf") else f"{'-':>7}"
+        margin = (f"{'-':>7}" if r.margin == float("inf") else   # one decimal where 3x is in question
+                  f"{r.margin:6.1f}x" if r.margin < 10 else f"{r.margin:6.0f}x")
         lines.append(f"{r.case.label():<{width}}  {r.case.world:>5}  {r.comparisons:>8}  "
                      f"{r.worst:13.2e}  {margin}  {r.verdict:<7}  {r.seconds:7.1f}"
                      + (f"  {r.why}" if r.why else ""))
