@@ -7,7 +7,7 @@ around a loop (tests/test_layering.py reads the floors from these lines):
   floor 0  runtime grid config refusals hardware sources kernels
   floor 1  tensor_parallel context_parallel moe pipeline data_parallel
   floor 2  model pipeline.measure
-  floor 3  estimate
+  floor 3  estimate plan
   floor 4  train
   floor 5  verify grade bench pipeline.__main__
 
@@ -23,7 +23,8 @@ What each floor holds:
   2  the GPT: one device, split over a grid (ParallelGPT), cut into pipeline stages
      (PipelineGPT, model/stages.py); pipeline/measure.py times a schedule on it.
   3  estimates from a model's shape: memory, FLOPs, step time, the planner, and their
-     command line (python -m minitron.estimate plan / memory / flops).
+     command line (python -m minitron.estimate plan / memory / flops; python -m minitron.plan
+     for short).
   4  a training run: its engine, checkpoints, restarts, the command line.
   5  what checks, grades or measures the rest, and the pipeline's command line
      (python -m minitron.pipeline).

@@ -31,9 +31,11 @@ def test_one_command_dispatches_to_each_estimator(capsys):
     assert "FLOPs per iteration" in capsys.readouterr().out
     assert cli.main(["memory", "--model", "gpt2-small"]) == 0
     assert "optimizer state" in capsys.readouterr().out
-    run = subprocess.run([sys.executable, "-m", "minitron.estimate", "plan", "--model", "gpt2-small",
-                          "--gpus", "8", "--top", "1"], capture_output=True, text=True)
-    assert run.returncode == 0 and "configurations" in run.stdout, run.stderr
+    runs = [subprocess.run([sys.executable, "-m", *command, "--model", "gpt2-small", "--gpus", "8", "--top", "1"],
+                           capture_output=True, text=True) for command in (["minitron.estimate", "plan"], ["minitron.plan"])]
+    for run in runs:                                   # the planner under its long and its short name
+        assert run.returncode == 0 and "configurations" in run.stdout, run.stderr
+    assert runs[0].stdout == runs[1].stdout
 
 
 def test_explain_prints_every_term_of_one_configuration(capsys):
