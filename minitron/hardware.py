@@ -14,7 +14,10 @@ Data sheets (dense 16-bit tensor-core peak, no sparsity; bandwidths per GPU and 
   - V100: Shoeybi et al. 2019 (Megatron-LM), section 5: DGX-2H servers of 16 V100 SXM3 32 GB,
     300 GB/s between GPUs through NVSwitch (both directions: 150 each way), 8 InfiniBand adapters
     per server; their 39 TFLOP/s on one GPU is "30% of the theoretical peak", i.e. 130e12 (the
-    DGX-2H's V100s run at 450 W, above the 125e12 of a 300 W V100 SXM2).
+    DGX-2H's V100s run at 450 W, above the 125e12 of a 300 W V100 SXM2). NVIDIA ADLR's
+    "MegatronLM's Supercharged V1.0" (nv-adlr.github.io/MegatronLMV1) states the same peak: its
+    62.4 TFLOP/s is "48% of the theoretical peak FLOPS for a single GPU in a DGX2-H server"
+    (62.4 / 0.48 = 130e12). One peak per GPU: the planner, flops and the lessons read this one.
   - A100: NVIDIA A100 Tensor Core GPU data sheet (312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e,
     600 GB/s NVLink both directions); DGX A100 data sheet: 8 single-port ConnectX-6 HDR 200 Gb/s
     for the compute fabric (Selene, where Narayanan et al. 2021 and Korthikanti et al. 2022 ran).

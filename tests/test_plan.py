@@ -31,7 +31,7 @@ def tables():
 
 def test_every_published_point_is_held_and_printed(tables, capsys):
     with capsys.disabled():
-        print("\n" + published.report())
+        print("\n" + published.report() + "\n\n" + published.sensitivity_table())
     assert [len(rows) for rows in tables.values()] == [10, 1, 8, 7, 2]
     for source, rows in tables.items():
         mean, worst = published.mean_worst(rows)

@@ -130,6 +130,8 @@ def test_a_llama_like_model_from_the_command_line(capsys):
     assert plan_cli.main(LLAMA70 + ["--seq", "8192", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "kv_heads=8 ffn=28672 swiglu" in out and "software megatron-core" in out
+    # a shape from flags alone is not labelled a GPT-3 preset, and says whose norm and tie it has
+    assert out.startswith("model from flags (the rest, e.g. norm and tie, is gpt3-175b's)")
 
 
 def test_megatron_core_has_no_s_squared_bytes_and_gqa_shrinks_k_and_v():

@@ -24,6 +24,7 @@ from .time_model import SOFTWARE, Cluster, Parallel
 EXPLAIN_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "v": "virtual",
                 "virtual": "virtual", "mb": "micro_batch", "zero": "zero", "recompute": "recompute",
                 "sp": "sp", "schedule": "schedule", "trim": "trim"}
+DEFAULT_MODEL = "gpt3-175b"
 GPU_OVERRIDES = {"peak_tflops": ("peak_flops", 1e12), "memory_gib": ("memory_bytes", GIB),
                  "hbm_tbs": ("hbm_bw", 1e12), "nvlink_gbs": ("nvlink_bw", 1e9), "net_gbs": ("net_bw", 1e9)}
 
@@ -31,7 +32,8 @@ GPU_OVERRIDES = {"peak_tflops": ("peak_flops", 1e12), "memory_gib": ("memory_byt
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minitron.estimate plan", description=__doc__.split("\n")[0])
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="gpt3-175b", help=f"preset: {', '.join(PRESETS)}")
+    m.add_argument("--model", default=None,
+                   help=f"preset: {', '.join(PRESETS)} (default {DEFAULT_MODEL}: what no flag gives is its)")
     for opt, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "query heads"),
                       ("kv-heads", "key/value heads (grouped-query attention when fewer)"),
                       ("ffn-hidden", "the MLP's width (default 4 x hidden)"), ("vocab", "vocabulary"),
@@ -61,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_label(name: str | None, given: list[str]) -> str:
+    """The header's name: a preset, a preset with flags overriding it, or a shape given by flags
+    (naming the preset its unset fields come from, so a GPT-3 norm or tie is never silent)."""
+    if name is None and given:
+        return f"model from flags (the rest, e.g. norm and tie, is {DEFAULT_MODEL}'s)"
+    name = name or DEFAULT_MODEL
+    return name + (" with " + ", ".join(given) + " overridden" if given else "")
+
+
 def _positive(args, flag: str, works: int) -> None:
     value = getattr(args, flag.replace("-", "_"))
     if value is not None and value < 1:
@@ -68,7 +79,7 @@ def _positive(args, flag: str, works: int) -> None:
 
 
 def _model(args) -> ModelConfig:
-    base = preset(args.model)
+    base = preset(args.model or DEFAULT_MODEL)
     cfg = base if isinstance(base, Shape) else Shape(**{f.name: getattr(base, f.name)
                                                       for f in dataclasses.fields(base)})
     sizes = {"n_layers": args.layers, "hidden": args.hidden, "n_heads": args.heads,
@@ -178,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         batch, seq = args.global_batch or args.gpus, args.seq or cfg.seq_len
         given = [f for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "experts", "topk",
                              "moe_ffn_hidden", "shared_experts", "activation", "norm", "tie") if getattr(args, f) is not None]
-        print(describe(args.model + (" with " + ", ".join(given) + " overridden" if given else ""), cfg, seq))
+        print(describe(_model_label(args.model, given), cfg, seq))
         print(f"{args.gpus} x {cluster.gpu.name}, {cluster.gpus_per_node} per node; global batch {batch}; "
               f"software {args.software}")
         if args.explain:
