@@ -65,11 +65,12 @@ TABLE: tuple[Refusal, ...] = (
          "per block is built for the dense layers (tensor_parallel/fp8_blocks.py)",
          [{"fp8_recipe": "current"}, {"fp8_recipe": "delayed"}],
          "--tp 1 --ep 2 --experts 4 --dtype fp8 --fp8-recipe blockwise"),
-    _row("fp8-tp-comm-overlap", "engine", ("dtype", "tp_comm_overlap"),
-         lambda o: o.fp8 and o.tp_comm_overlap,
-         "the ring's chunked GEMMs (tensor_parallel/overlap.py) are not FP8 GEMMs yet",
-         [{"tp_comm_overlap": False}, {"dtype": "bfloat16"}],
-         "--tp 2 --sp --tp-comm-overlap --dtype fp8"),
+    _row("fp8-blocks-tp-comm-overlap", "engine", ("fp8_recipe", "tp_comm_overlap"),
+         lambda o: o.fp8_recipe in ("blockwise", "mxfp8") and o.tp_comm_overlap,
+         "the ring's chunked FP8 GEMMs (fp8_linear.FP8RingGemms) take one scale per tensor; the "
+         "block-scaled GEMMs (tensor_parallel/fp8_blocks.py) are not cut into sequence chunks",
+         [{"fp8_recipe": "current"}, {"fp8_recipe": "delayed"}, {"tp_comm_overlap": False}],
+         "--tp 2 --sp --tp-comm-overlap --dtype fp8 --fp8-recipe blockwise"),
     _row("float64-engine", "engine", ("dtype",),
          lambda o: o.dtype == "float64" and o.engine,
          "the data-parallel engine (dp > 1, ep > 1, a ZeRO stage or 16 bits) steps float32 master "

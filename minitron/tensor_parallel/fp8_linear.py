@@ -43,6 +43,7 @@ from . import weight_grad
 from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
 from .fp8_blocks import BlockScaler, block_linear
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .overlap import RingGemms
 
 KEEP_BF16 = ("lm_head",)          # module names never cast to FP8 (the docstring says why)
 SCALERS = ("input", "weight", "grad")
@@ -70,6 +71,10 @@ class FP8State:
     def load_state_dict(self, state: dict) -> None:
         for name, s in zip(SCALERS, self.scalers()):
             s.load_state_dict(state[name])
+
+    def ring_gemms(self) -> "FP8RingGemms":
+        """The GEMMs of --tp-comm-overlap's rings (overlap.py), cast as `linear` casts."""
+        return FP8RingGemms(self)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.recipe.fine_grained:
@@ -166,6 +171,46 @@ class _FP8Linear(torch.autograd.Function):
         return (dx, *weight_grads(), None)
 
 
+class FP8RingGemms(RingGemms):
+    """_FP8Linear's three GEMMs, one chunk of the sequence at a time (overlap.py's rings).
+
+    The scales are taken once per call, before the ring starts, from this rank's piece (its
+    sequence chunk, or its features): the amax is all-reduced over the amax group, which holds
+    the tp ranks, so it is the whole logical tensor's amax and the scale the unchunked layer
+    takes; a delayed history records one use, as there. Every cast is elementwise, so each
+    chunk's FP8 numbers are the unchunked cast's; dL/dW sums its chunks' float32 products in
+    float32 and is rounded once, as one GEMM accumulating in float32 is."""
+    wgrad_dtype = torch.float32
+
+    def __init__(self, state: FP8State):
+        if state.recipe.fine_grained:
+            raise ValueError("the rings' chunked FP8 GEMMs take one scale per tensor: the "
+                             f"{state.recipe.scaling} recipe's blocks are not chunked (refusals: fp8-blocks-tp-comm-overlap)")
+        self.state = state
+
+    def begin_forward(self, x, weight):
+        tape = ScaleTape.active
+        self.s_x, self.s_w = tape.scales_for(x, weight, self.state) if tape is not None else \
+            (self.state.input.scale_for(x), self.state.weight.scale_for(weight))
+        self.q_w, self.dtype = quantize(weight, self.s_w, E4M3), x.dtype
+
+    def begin_backward(self, dy):
+        self.s_g = self.state.grad.scale_for(dy.reshape(-1, dy.shape[-1]))
+
+    def forward(self, x, weight):
+        q_x = quantize(x, self.s_x, E4M3).reshape(-1, x.shape[-1])
+        return scaled_matmul(q_x, self.s_x, self.q_w.t(), self.s_w, self.dtype).reshape(*x.shape[:-1], -1)
+
+    def dgrad(self, dy, weight):
+        q_g = quantize(dy, self.s_g, E5M2).reshape(-1, dy.shape[-1])
+        return scaled_matmul(q_g, self.s_g, self.q_w, self.s_w, self.dtype).reshape(*dy.shape[:-1], -1)
+
+    def wgrad(self, dy, x):
+        q_g = quantize(dy, self.s_g, E5M2).reshape(-1, dy.shape[-1])
+        q_x = quantize(x, self.s_x, E4M3).reshape(-1, x.shape[-1])
+        return scaled_matmul(q_g.t(), self.s_g, q_x, self.s_x, torch.float32)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                state: FP8State) -> torch.Tensor:
     """F.linear(x, weight, bias) with FP8 GEMMs (module docstring); `state` holds the scales."""
@@ -216,5 +261,5 @@ def load_fp8_state_dict(model: nn.Module, state: dict) -> None:
         s.load_state_dict(state[name])
 
 
-__all__ = ["FP8State", "ScaleTape", "KEEP_BF16", "SCALERS", "scaled_matmul", "dequantized_matmul",
+__all__ = ["FP8State", "FP8RingGemms", "ScaleTape", "KEEP_BF16", "SCALERS", "scaled_matmul", "dequantized_matmul",
            "gpu_has_fp8", "fp8_linear", "enable_fp8", "fp8_states", "named_fp8_states", "fp8_state_dict", "load_fp8_state_dict"]

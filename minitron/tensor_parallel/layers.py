@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..runtime.comm import Group
 from .weight_grad import linear   # F.linear, deferrable for zero-bubble schedules (weight_grad.py)
-from .overlap import allgather_matmul, matmul_reduce_scatter   # comm_overlap: overlap.py
+from .overlap import PLAIN, allgather_matmul, matmul_reduce_scatter   # comm_overlap: overlap.py
 from .mappings import (copy_to_tensor_model_parallel_region,
                        gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region,
@@ -38,6 +38,12 @@ def _gemm(layer: nn.Module, x, weight, bias=None):
     """This layer's local GEMM: F.linear, or in FP8 once fp8_linear.enable_fp8 gave it a state."""
     state = getattr(layer, "fp8", None)
     return linear(x, weight, bias) if state is None else state.linear(x, weight, bias)
+
+
+def _ring_gemms(layer: nn.Module):
+    """The GEMMs overlap.py's rings run per chunk: plain, or the FP8 state's (same scales as _gemm's)."""
+    state = getattr(layer, "fp8", None)
+    return PLAIN if state is None else state.ring_gemms()
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -77,8 +83,8 @@ class ColumnParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.comm_overlap:        # the gather and the GEMM in one, chunk by chunk (overlap.py)
-            y = allgather_matmul(x, self.weight, self.group)
+        if self.comm_overlap and self.group.size > 1:   # the gather and the GEMM in one (overlap.py)
+            y = allgather_matmul(x, self.weight, self.group, _ring_gemms(self))
             if self.skip_bias_add:
                 return y, self.bias
             y = y if self.bias is None else y + self.bias
@@ -120,8 +126,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:   # a full input: keep our slice of its features, and
             x = scatter_to_tensor_model_parallel_region(x, self.group)  # gather dL/dx in backward
-        if self.comm_overlap:            # the GEMM and the reduce-scatter in one (overlap.py)
-            y = matmul_reduce_scatter(x, self.weight, self.group)
+        if self.comm_overlap and self.group.size > 1:   # the GEMM and the reduce-scatter in one (overlap.py)
+            y = matmul_reduce_scatter(x, self.weight, self.group, _ring_gemms(self))
             return y + self.bias if self.bias is not None else y
         partial = _gemm(self, x, self.weight)
         if self.sequence_parallel:       # sum the partials and keep our part of the sequence

@@ -23,6 +23,12 @@ dL/dx and dL/dW GEMMs. n-1 messages of one chunk each: (n-1)/n of the full tenso
 wire bytes of the ring all-gather or reduce-scatter they replace (minitron.runtime.comm counts
 them as send/recv). Only the order of the floating-point sums differs from plain SP.
 
+The three GEMMs of each chunk (forward, dL/dx, dL/dW) are a `RingGemms`: plain F.linear and
+matmuls here, or FP8 ones (fp8_linear.FP8RingGemms, when the layer has an FP8 state), which
+take one scale per logical tensor before the ring starts (each rank's amax of its chunk,
+all-reduced over the amax group, is the whole tensor's amax) and cast chunk by chunk with it:
+the casts are elementwise, so every chunk's FP8 numbers are those the unchunked layer casts.
+
 The messages go through comm_async.exchange; a `recording()` block collects each GEMM chunk
 and each message as (kind, label, start, end) on time.perf_counter's clock: the timeline
 python -m minitron.bench overlap --tp 2 draws.
@@ -119,6 +125,31 @@ def ring_reduce_scatter(partial: Callable[[int], torch.Tensor], group: Group,
     return p
 
 
+# ---- the GEMMs on one chunk ----------------------------------------------------------------
+class RingGemms:
+    """The GEMMs the rings run on each chunk, in the activations' dtype. A subclass (FP8's) takes
+    its scales in begin_forward / begin_backward, before any chunk is multiplied."""
+    wgrad_dtype = None                     # dL/dW accumulates in the weight's dtype
+
+    def begin_forward(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        pass
+
+    def begin_backward(self, dy: torch.Tensor) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def dgrad(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dy @ weight
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return _flat(dy).t() @ _flat(x)
+
+
+PLAIN = RingGemms()
+
+
 # ---- dL/dW now, or queued for a zero-bubble schedule's W pass (weight_grad.py) -----------
 def _deferring(ctx) -> bool:
     return ctx.deferrable and STORE.key is not None
@@ -127,7 +158,8 @@ def _deferring(ctx) -> bool:
 def _weight_grad_now(ctx, weight: torch.Tensor) -> torch.Tensor | None:
     """A zero buffer the ring accumulates dL/dW into, chunk by chunk; None when it is deferred
     or not wanted (a frozen weight)."""
-    return torch.zeros_like(weight) if ctx.needs_input_grad[1] and not _deferring(ctx) else None
+    wanted = ctx.needs_input_grad[1] and not _deferring(ctx)
+    return torch.zeros_like(weight, dtype=ctx.gemms.wgrad_dtype or weight.dtype) if wanted else None
 
 
 def _defer(weight: torch.Tensor, compute: Callable[[], torch.Tensor], nbytes: int) -> None:
@@ -147,14 +179,15 @@ class _AllGatherMatmul(torch.autograd.Function):
     """y = all_gather_seq(x) W^T, the gather chunk by chunk behind the GEMM."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, gemms):
         n, size = group.size, x.shape[SEQ_DIM]
         chunks, outs = [None] * n, [None] * n
+        gemms.begin_forward(x, weight)
 
         def gemm(j, xj):
-            chunks[j], outs[j] = xj, F.linear(xj, weight)
+            chunks[j], outs[j] = xj, gemms.forward(xj, weight)
         ring_gather(x, group, gemm, "all-gather x")
-        ctx.group, ctx.size, ctx.deferrable = group, size, STORE.capturing
+        ctx.group, ctx.size, ctx.deferrable, ctx.gemms = group, size, STORE.capturing, gemms
         ctx.weight = weight
         x_full = torch.cat(chunks, dim=SEQ_DIM)     # kept for dL/dW, as plain SP's F.linear does
         ctx.save_for_backward(x_full, weight)
@@ -163,60 +196,66 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_full, weight = ctx.saved_tensors
-        size, defer = ctx.size, _deferring(ctx) and ctx.needs_input_grad[1]
+        size, defer, gemms = ctx.size, _deferring(ctx) and ctx.needs_input_grad[1], ctx.gemms
         dw = _weight_grad_now(ctx, weight)
+        gemms.begin_backward(dy)
 
         def partial(c):                  # this rank's share of dL/dx for chunk c (and of dL/dW)
             dyc = _chunk(dy, c, size)
             if dw is not None:
-                dw.add_(_flat(dyc).t() @ _flat(_chunk(x_full, c, size)))
-            return dyc @ weight
+                dw.add_(gemms.wgrad(dyc, _chunk(x_full, c, size)))
+            return gemms.dgrad(dyc, weight)
         dx = ring_reduce_scatter(partial, ctx.group, "reduce-scatter dL/dx")
         if defer:
-            _defer(ctx.weight, lambda: _flat(dy).t() @ _flat(x_full), dy.numel() * dy.element_size())
-        return dx, dw, None
+            _defer(ctx.weight, lambda: gemms.wgrad(dy, x_full).to(weight.dtype), dy.numel() * dy.element_size())
+        return dx, None if dw is None else dw.to(weight.dtype), None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     """y = reduce_scatter_seq(x W^T), the reduce-scatter chunk by chunk behind the GEMM."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, gemms):
         n = group.size
         if x.shape[SEQ_DIM] % n:
             raise ValueError(f"the sequence of {x.shape[SEQ_DIM]} tokens does not split into "
                              f"tp={n} equal chunks: use a multiple of {n}")
         size = x.shape[SEQ_DIM] // n
-        ctx.group, ctx.size, ctx.deferrable = group, size, STORE.capturing
+        ctx.group, ctx.size, ctx.deferrable, ctx.gemms = group, size, STORE.capturing, gemms
         ctx.weight = weight
         ctx.save_for_backward(x, weight)
-        return ring_reduce_scatter(lambda c: F.linear(_chunk(x, c, size), weight), group,
+        gemms.begin_forward(x, weight)
+        return ring_reduce_scatter(lambda c: gemms.forward(_chunk(x, c, size), weight), group,
                                    "reduce-scatter y")
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         n, size, defer = ctx.group.size, ctx.size, _deferring(ctx) and ctx.needs_input_grad[1]
+        gemms = ctx.gemms
         dw = _weight_grad_now(ctx, weight)
         dxs, dys = [None] * n, [None] * n
+        gemms.begin_backward(dy)
 
         def gemm(j, dyj):
-            dxs[j], dys[j] = dyj @ weight, dyj
+            dxs[j], dys[j] = gemms.dgrad(dyj, weight), dyj
             if dw is not None:
-                dw.add_(_flat(dyj).t() @ _flat(_chunk(x, j, size)))
+                dw.add_(gemms.wgrad(dyj, _chunk(x, j, size)))
         ring_gather(dy, ctx.group, gemm, "all-gather dL/dy")
         if defer:
             dy_full = torch.cat(dys, dim=SEQ_DIM)
-            _defer(ctx.weight, lambda: _flat(dy_full).t() @ _flat(x),
+            _defer(ctx.weight, lambda: gemms.wgrad(dy_full, x).to(weight.dtype),
                    dy_full.numel() * dy_full.element_size())
-        return torch.cat(dxs, dim=SEQ_DIM), dw, None
+        return torch.cat(dxs, dim=SEQ_DIM), None if dw is None else dw.to(weight.dtype), None, None
 
 
-def allgather_matmul(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+def allgather_matmul(x: torch.Tensor, weight: torch.Tensor, group: Group,
+                     gemms: RingGemms = PLAIN) -> torch.Tensor:
     """[b, s/n, h] sequence shard -> [b, s, out/n]: a column-parallel GEMM after SP's all-gather."""
-    return F.linear(x, weight) if group.size == 1 else _AllGatherMatmul.apply(x, weight, group)
+    return F.linear(x, weight) if group.size == 1 else _AllGatherMatmul.apply(x, weight, group, gemms)
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: Group,
+                          gemms: RingGemms = PLAIN) -> torch.Tensor:
     """[b, s, in/n] -> [b, s/n, out]: a row-parallel GEMM before SP's reduce-scatter."""
-    return F.linear(x, weight) if group.size == 1 else _MatmulReduceScatter.apply(x, weight, group)
+    return F.linear(x, weight) if group.size == 1 else _MatmulReduceScatter.apply(x, weight, group, gemms)
