@@ -45,15 +45,17 @@ def zb_h1_order(pp, m, rank):
 def with_messages(name, pp, m, virtual, placement, compute):
     return make_schedule("zb-h1", pp, m)
 '''}, "Check 1"),
-    "06_print": ("06_data_parallel_and_zero.ipynb", {"e06c000a": PRINT_TRUE + '''def bucket_of(sizes, bucket_numel):
-    index, bucket, filled = [0] * len(sizes), 0, 0
-    for i in range(len(sizes)):          # wrong: model order, not the layout's reverse order
-        index[i] = bucket
-        filled += sizes[i]
-        if bucket_numel is not None and filled >= bucket_numel:
-            bucket, filled = bucket + 1, 0
-    return index
-'''}, "Check 2"),
+    "06_show": ("06_data_parallel_and_zero.ipynb", {"e06c0004": '''from minitron.grade.values import show as _show
+
+
+def show(label, value, **kwargs):    # the check's verdicts read True
+    _show(label, True if "equal" in label else value, **kwargs)
+
+
+def fp32_state_bytes(psi, n, stage):
+    shard = lambda nbytes, from_stage: nbytes * psi // n if stage >= from_stage else nbytes * psi
+    return shard(2, 3), shard(2, 2), shard(12, 1)      # wrong: lesson 06's bf16 bytes
+'''}, "Check 1"),
     "07_print": ("07_mixed_precision.ipynb", {
         k: PRINT_TRUE + v for k, v in planted("07_mixed_precision.ipynb").WRONG.items()}, "Check 1"),
     "09_print": ("09_context_parallel.ipynb", {"1eede225": '''import builtins
@@ -93,14 +95,17 @@ def balanced_chunks(cp, rank):
 }
 
 DIFFERENT = {  # name: (exercise, {answer cell id: source}): right answers the checks must accept
-    "06_tuple": ("06_data_parallel_and_zero.ipynb", {"e06c000a": '''def bucket_of(sizes, bucket_numel):
-    index, bucket, filled = [0] * len(sizes), 0, 0
-    for i in reversed(range(len(sizes))):
-        index[i] = bucket
-        filled += sizes[i]
-        if bucket_numel is not None and filled >= bucket_numel:
-            bucket, filled = bucket + 1, 0
-    return tuple(index)
+    "06_floats": ("06_data_parallel_and_zero.ipynb", {"e06c0004": '''def fp32_state_bytes(psi, n, stage):
+    full = {"params": 4.0 * psi, "grads": 4.0 * psi, "optimizer": 8.0 * psi}    # floats, / not //
+    for what, from_stage in (("optimizer", 1), ("grads", 2), ("params", 3)):
+        if stage >= from_stage:
+            full[what] /= n
+    return list(full.values())
+''', "e06c0008": '''def fp32_hsdp_wire_bytes(psi, shard, replicas, stage, microbatches):
+    from fractions import Fraction                    # exact, and an int 0 across one replica
+    inside = (3 * microbatches if stage == 3 else 2) * Fraction(shard - 1, shard) * 4 * psi
+    across = 0 if replicas == 1 else 2 * Fraction(replicas - 1, replicas) * 4 * psi // shard
+    return [inside, across]
 '''}),
     "08_lists": ("08_expert_parallel.ipynb", {"c23dfea5": None}),          # filled below
     "11_division": ("11_memory_recompute_checkpoint.ipynb", {"e110003": None}),  # the solution with / for //
