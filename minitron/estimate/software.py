@@ -16,7 +16,12 @@ a setting is the release, and the rows of every table of that release share it.
                   scripts, examples/sc21/run_table_1.sh, choose `DDP=torch` without a pipeline).
   megatron-2022   Korthikanti et al. 2022 (arXiv:2205.05198): + sequence parallelism (§4.2.2),
                   selective recomputation (§5), the weight-gradient GEMM accumulating into the
-                  fp32 main grad (gradient-accumulation fusion).
+                  fp32 main grad (gradient-accumulation fusion), and the backward's TP
+                  collectives asynchronous beside the GEMMs (megatron/mpu/layers.py's
+                  LinearWithGradAccumulationAndAsyncCommunication, on by default since late 2021:
+                  the dgrad all-reduce runs beside the wgrad GEMM; with SP the input is
+                  all-gathered again beside the dgrad GEMM and the dgrad reduce-scattered beside
+                  the wgrad GEMM; megatron/core/tensor_parallel/layers.py keeps it).
   megatron-core   Megatron-Core today: + context parallelism, the distributed optimizer
                   (ZeRO-1) and FSDP (ZeRO-3), DP communication overlapped with the backward
                   (--overlap-grad-reduce, also beside a pipeline), TP communication overlapped
@@ -51,6 +56,7 @@ class Software:
     overlap_dp: bool = False            # gradient buckets reduced during the backward
     overlap_dp_with_pipeline: bool = False
     overlap_tp: bool = False            # TP collectives hidden behind the GEMMs they feed
+    async_tp_backward: bool = False     # the column-parallel linears' backward collectives beside their GEMMs
     flash_attention: bool = False       # no s x s scores stored or streamed
     grad_reduce_bytes: int = 2          # bytes per gradient element on the wire
     fp32_main_grads: bool = False       # gradients kept in fp32 (memory)
@@ -80,10 +86,11 @@ SOFTWARE = {s.name: s for s in (
              schedules=("1f1b",)),
     Software("megatron-2021", "Narayanan et al. 2021, §2.2.2, §3.5, §4.1, §5; examples/sc21"),
     Software("megatron-2022", "Korthikanti et al. 2022, §4.2.2, §5", sequence_parallel=True,
-             recomputes=RECOMPUTES, accumulation_fusion=True),
+             recomputes=RECOMPUTES, accumulation_fusion=True, async_tp_backward=True),
     Software("megatron-core", "Megatron-Core (NVIDIA/Megatron-LM, core_v0.x)", sequence_parallel=True,
              recomputes=RECOMPUTES, context_parallel=True, zeros=(0, 1, 3), accumulation_fusion=True,
-             overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, flash_attention=True,
+             overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, async_tp_backward=True,
+             flash_attention=True,
              grad_reduce_bytes=4, fp32_main_grads=True, uneven_stages=True),
     Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
              context_parallel=True, zeros=(0, 1, 2, 3), accumulation_fusion=True, overlap_dp=True,

@@ -18,8 +18,13 @@ replicated dp times, every layer split over tp (and cp, ep). Per micro-batch and
               SP), S = b (a/t) s^2; backward moves twice the forward's bytes.
   TP          per forward 2 all-reduces of 2E bytes (SP: 2 all-gathers + 2 reduce-scatters,
               the same bytes), 2 more in backward, 2 more when the forward is recomputed;
-              a ring all-reduce moves 2(t-1)/t of the buffer at the group's bandwidth. Not
-              overlapped (Megatron's TP is synchronous).
+              a ring all-reduce moves 2(t-1)/t of the buffer at the group's bandwidth. The
+              forward's are synchronous. The backward's, from megatron-2022 on, run beside the
+              column-parallel linears' (QKV, fc1) GEMMs: without SP their dgrad all-reduce
+              beside the wgrad GEMM; with SP the all-gather that is the reduce-scatter's
+              backward stays exposed (one all-reduce's bytes per layer) and the re-gathered
+              input and the dgrad reduce-scatter run beside the dgrad and wgrad GEMMs; only
+              what exceeds those GEMMs shows.
   CP          the ring passes K and V (cp-1) times forward, and K, V and their gradients
               backward; overlapped with the attention core, only the excess shows.
   EP          all-to-all dispatch and combine of the top-k tokens, forward and backward.
@@ -184,6 +189,12 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
     if sw.overlap_tp and t > 1 and inside:   # chunked collective-GEMM pipelines: the first of t chunks shows
         linear = fwd(dense + mlp) * (2 if par.recompute == "full" else 1) + bwd(dense + mlp)
         tp = tp / t + max(0.0, tp * (t - 1) / t - linear)
+    elif sw.async_tp_backward and t > 1:      # the backward's collectives beside the column linears' GEMMs
+        column_bwd = qkv[0][1] + mlp[0][1]    # their dgrad + wgrad GEMMs (equal FLOPs)
+        if par.sp:       # exposed: the reduce-scatters' backward all-gathers (one all-reduce's bytes)
+            tp = (n_ar - 1) * one + max(0.0, 2 * one - column_bwd)
+        else:            # the dgrad all-reduces beside the wgrad GEMMs alone
+            tp = (n_ar - 2) * one + max(0.0, 2 * one - column_bwd / 2)
     cp = 0.0
     if par.cp > 1:
         kv_bytes = 2 * b * s_loc * 2 * kv // t
