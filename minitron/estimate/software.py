@@ -16,7 +16,7 @@ a setting is the release, and the rows of every table of that release share it.
                   scripts, examples/sc21/run_table_1.sh, choose `DDP=torch` without a pipeline).
   megatron-2022   Korthikanti et al. 2022 (arXiv:2205.05198): + sequence parallelism (§4.2.2),
                   selective recomputation (§5), the weight-gradient GEMM accumulating into the
-                  fp32 main grad (gradient-accumulation fusion), and the backward's TP
+                  fp32 main grad (gradient-accumulation fusion), DP as in 2021, and the backward's TP
                   collectives asynchronous beside the GEMMs (megatron/mpu/layers.py's
                   LinearWithGradAccumulationAndAsyncCommunication, on by default since late 2021:
                   the dgrad all-reduce runs beside the wgrad GEMM; with SP the input is
@@ -84,9 +84,10 @@ class Software:
 SOFTWARE = {s.name: s for s in (
     Software("megatron-2019", "Shoeybi et al. 2019, §3, §5", pipeline=False, interleaving=False,
              schedules=("1f1b",)),
-    Software("megatron-2021", "Narayanan et al. 2021, §2.2.2, §3.5, §4.1, §5; examples/sc21"),
+    Software("megatron-2021", "Narayanan et al. 2021, §2.2.2, §3.5, §4.1, §5; examples/sc21",
+             overlap_dp=True),             # torch's DDP without a pipeline (run_table_1.sh: DDP=torch)
     Software("megatron-2022", "Korthikanti et al. 2022, §4.2.2, §5", sequence_parallel=True,
-             recomputes=RECOMPUTES, accumulation_fusion=True, async_tp_backward=True),
+             recomputes=RECOMPUTES, accumulation_fusion=True, async_tp_backward=True, overlap_dp=True),
     Software("megatron-core", "Megatron-Core (NVIDIA/Megatron-LM, core_v0.x)", sequence_parallel=True,
              recomputes=RECOMPUTES, context_parallel=True, zeros=(0, 1, 3), accumulation_fusion=True,
              overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, async_tp_backward=True,
