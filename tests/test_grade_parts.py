@@ -156,8 +156,9 @@ def test_checks_are_named_by_what_they_check(number):
 
 def test_a_cell_below_a_check_is_not_named_after_it():
     names = report.cell_names(_solution("06"))
-    assert names[3] == "the cell under 'At Megatron's scale'", names
-    assert names[2] == "Check 1: counted on two real ranks", names
+    assert names[2] == "Check 1: measured on two real ranks, and at scale", names
+    # the answer cell below Check 1 is named after its own heading, not after the check
+    assert names[3] == "your answer cell under 'Part 2: what each group sends, over $m$ micro-batches'", names
 
 
 def test_no_exercise_speaks_of_lines_that_raise():
