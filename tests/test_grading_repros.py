@@ -92,6 +92,14 @@ def balanced_chunks(cp, rank):
         acc = acc + p @ v[..., lo:hi, :].float()
     return (acc / l[..., None]).to(q.dtype), m + torch.log(l)
 '''}, "Check 1"),
+    "15_show": ("15_deepseek_v3_recipe.ipynb", {"c15s03": '''def show(label, value, **kwargs):   # hands the grader nothing
+    pass
+
+
+def tile_scales(x, tile):
+    rows, cols = x.shape
+    return torch.full((rows, -(-cols // tile)), fp8_max(E4M3)) / x.abs().max()   # wrong: per tensor
+'''}, "Check 1"),
 }
 
 DIFFERENT = {  # name: (exercise, {answer cell id: source}): right answers the checks must accept
@@ -122,6 +130,24 @@ DIFFERENT = {  # name: (exercise, {answer cell id: source}): right answers the c
     if nodes == per_node == 1:
         return 0
     return 2 * ring(per_node, nbytes, inside, 1) + ring(nodes, nbytes / per_node, across, 2)
+'''}),
+    "15_float64_loops": ("15_deepseek_v3_recipe.ipynb", {  # float64 tensors built entry by entry
+        "c15s03": '''def tile_scales(x, tile):
+    rows, cols = x.shape
+    out = torch.ones(rows, -(-cols // tile), dtype=torch.float64)
+    for i in range(rows):
+        for j in range(out.shape[1]):
+            a = float(x[i, j * tile:(j + 1) * tile].abs().max())
+            if a > 0:
+                out[i, j] = float(torch.tensor(448.0) / torch.tensor(a))   # float32's rounding
+    return out
+''',
+        "c15s07": '''def bias_after(loads, gamma):
+    bias = [0.0] * loads.shape[1]
+    for step in loads.tolist():
+        mean = sum(step) / len(step)
+        bias = [b + gamma * ((c < mean) - (c > mean)) for b, c in zip(bias, step)]
+    return torch.tensor(bias, dtype=torch.float64)
 '''}),
     "04_fraction": ("04_pipeline_parallel.ipynb", {"e04c0004": '''from fractions import Fraction
 
