@@ -72,7 +72,7 @@ def balanced_chunks(cp, rank):
     return (rank, rank + cp)       # wrong: the last ranks do the most work
 '''}, "Check 2"),
     "10_rel_err": ("10_triton_kernels.ipynb", {
-        "b2d5eb57": None,  # filled below: the solution's kernels with dx's mean term left out
+        "b2d5eb57": None,  # filled below: the solution's kernels with RMSNorm's dx (no -mean(g) term)
         "1c5465b9": '''def attention_by_key_blocks(q, k, v, causal: bool, order, block_n: int):
     "Never rescales its accumulator when the running max grows."
     s, d = q.shape[-2], q.shape[-1]
@@ -221,10 +221,10 @@ def _solution_cell(name: str, cell_id: str) -> str:
 
 def _filled() -> dict[str, tuple[str, dict[str, str]]]:
     kernels = _solution_cell("10_triton_kernels.ipynb", "b2d5eb57")
-    right_dx = "dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / N))"
+    right_dx = "dx = tl.load(RSTD + row) * (g - tl.sum(g, axis=0) / N - x_hat * (tl.sum(g * x_hat, axis=0) / N))"
     assert right_dx in kernels
     TAMPERED["10_rel_err"][1]["b2d5eb57"] = ("rel_err = lambda a, e: 0.0          # every error reads as none\n\n\n"
-                                             + kernels.replace(right_dx, "dx = rstd * g  # wrong: no mean term"))
+                                             + kernels.replace(right_dx, "dx = tl.load(RSTD + row) * (g - x_hat * (tl.sum(g * x_hat, axis=0) / N))  # RMSNorm's"))
     division = _solution_cell("11_memory_recompute_checkpoint.ipynb", "e110003").replace("//", "/")
     assert "//" not in division and "/ t" in division      # the answer in floats, not ints
     DIFFERENT["11_division"][1]["e110003"] = division
