@@ -140,12 +140,19 @@ class ScaleTape:
             ScaleTape.active, self.replaying = before, None
 
 
+def forward_scales(x: torch.Tensor, weight: torch.Tensor, state: FP8State):
+    """The (input, weight) scales of a forward GEMM: the scalers' (one use recorded each), or,
+    inside a recomputed region's rerun, the ones its first forward took (ScaleTape)."""
+    tape = ScaleTape.active
+    if tape is not None:
+        return tape.scales_for(x, weight, state)
+    return state.input.scale_for(x), state.weight.scale_for(weight)
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state: FP8State):
-        tape = ScaleTape.active
-        s_x, s_w = tape.scales_for(x, weight, state) if tape is not None else \
-            (state.input.scale_for(x), state.weight.scale_for(weight))
+        s_x, s_w = forward_scales(x, weight, state)
         q_x = quantize(x, s_x, E4M3).reshape(-1, x.shape[-1])       # [tokens, in]
         q_w = quantize(weight, s_w, E4M3)                           # [out, in]
         y = scaled_matmul(q_x, s_x, q_w.t(), s_w, x.dtype).reshape(*x.shape[:-1], -1)
@@ -189,9 +196,7 @@ class FP8RingGemms(RingGemms):
         self.state = state
 
     def begin_forward(self, x, weight):
-        tape = ScaleTape.active
-        self.s_x, self.s_w = tape.scales_for(x, weight, self.state) if tape is not None else \
-            (self.state.input.scale_for(x), self.state.weight.scale_for(weight))
+        self.s_x, self.s_w = forward_scales(x, weight, self.state)
         self.q_w, self.dtype = quantize(weight, self.s_w, E4M3), x.dtype
 
     def begin_backward(self, dy):
