@@ -1,15 +1,19 @@
 """FP8 experts (minitron/tensor_parallel/fp8_batched.py): the grouped GEMM is the dense FP8 linear
-expert by expert, bit for bit; a split with experts passes the FP8 verdict against one device
-(ep alone, ep with dp, ep with tp+SP, ZeRO-3, a pipeline, both recipes); a fault in the experts'
+expert by expert, bit for bit (all four recipes); blockwise and mxfp8 experts are a hand
+quantizer's casts, bit for bit; a split with experts passes the FP8 verdict against one device
+(ep alone, ep with dp, ep with tp+SP, ZeRO-3, a pipeline, every recipe); a fault in the experts'
 casts fails it; the experts' scalers travel in a checkpoint, and a resumed run continues bit for
 bit. Small shapes and two steps keep it fast: `python -m minitron.verify --tp 1 --ep 2
---experts 4 --dtype fp8 [--plant fp8-experts-...]` runs the same at the default shape."""
+--experts 4 --dtype fp8 [--fp8-recipe blockwise] [--plant fp8-experts-...]` runs the same at
+the default shape."""
+import math
+
 import pytest
 import torch
 
 from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
-from minitron.tensor_parallel.fp8 import FP8Recipe
+from minitron.tensor_parallel.fp8 import BLOCK_RECIPES, FP8Recipe
 from minitron.tensor_parallel.fp8_batched import ExpertStates, expert_linear, grouped_fp8
 from minitron.tensor_parallel.fp8_linear import FP8State, ScaleTape, fp8_linear, named_fp8_states
 from minitron.train.engine import TrainingRun
@@ -30,8 +34,8 @@ def _loop_and_group(recipe: str, counts, steps=3):
     e, c, k, n = len(counts), max(counts), 32, 48
     w = (torch.randn(e, n, k, generator=gen) * 0.02).bfloat16()
     b = (torch.randn(e, n, generator=gen) * 0.02).bfloat16()
-    grouped = ExpertStates(FP8Recipe(recipe), range(e))
-    looped = [FP8State(FP8Recipe(recipe)) for _ in counts]
+    grouped = ExpertStates(_recipe(recipe), range(e))
+    looped = [FP8State(_recipe(recipe)) for _ in counts]
     differ = []
     for step in range(steps):
         x = torch.randn(e, c, k, generator=gen).bfloat16() * (1 + step)
@@ -46,14 +50,19 @@ def _loop_and_group(recipe: str, counts, steps=3):
                 differ += [bool(wg.grad[i].any()), bool(xg.grad[i].any())]
                 continue
             xl, wl = x[i, :m].clone().requires_grad_(), w[i].clone().requires_grad_()
-            yl = fp8_linear(xl, wl, b[i], looped[i])
+            yl = looped[i].linear(xl, wl, b[i])           # fp8_linear, or fp8_blocks' block_linear
             yl.backward(dy[i, :m])
             differ += [not torch.equal(y[i, :m], yl), not torch.equal(xg.grad[i, :m], xl.grad),
                        not torch.equal(wg.grad[i], wl.grad)]
     return differ, grouped, looped
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def _recipe(scaling: str) -> FP8Recipe:
+    """Blocks of 8 for the fine-grained recipes: several blocks along every dimension here."""
+    return FP8Recipe(scaling, block=8 if scaling in BLOCK_RECIPES else None)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "blockwise", "mxfp8"])
 @pytest.mark.parametrize("counts", [[5, 0, 7], [3, 3], [1]])
 def test_the_grouped_gemm_is_the_dense_fp8_linear_expert_by_expert(recipe, counts):
     differ, grouped, looped = _loop_and_group(recipe, counts)
@@ -63,6 +72,59 @@ def test_the_grouped_gemm_is_the_dense_fp8_linear_expert_by_expert(recipe, count
             if m:
                 assert sa.uses == sb.uses and torch.equal(sa.last, sb.last)
                 assert sa.history is None or torch.equal(sa.history, sb.history)
+
+
+# ---- the fine-grained group against a hand quantizer ----------------------------------------
+def _hand_cast(x: torch.Tensor, rows: int, cols: int, pow2: bool) -> torch.Tensor:
+    """x cast to E4M3 block by block, written out loop by loop (DeepSeek-V3 §3.3.2; MX v1.0
+    §6.3), dequantized as a GEMM's scale-inverse does: q * (1/s), float32."""
+    out = torch.empty(x.shape)
+    for i in range(0, x.shape[0], rows):
+        for j in range(0, x.shape[1], cols):
+            blk = x[i:i + rows, j:j + cols].float()
+            a = float(blk.abs().max())
+            if a == 0:
+                s = torch.tensor(1.0)
+            elif pow2:                                  # E8M0: 2^(emax_elem - floor(log2 amax))
+                s = torch.tensor(2.0 ** (8 - math.floor(math.log2(a))))
+            else:                                       # 448 / amax, float32, correctly rounded
+                s = torch.tensor(448.0) / torch.tensor(a)
+            q = (blk * s).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[i:i + rows, j:j + cols] = q.float() * (torch.tensor(1.0) / s)
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_the_fine_grained_group_is_the_hand_quantizer(recipe):
+    """y, dx and dW of every expert: the hand-cast operands multiplied in float32 (the promotion
+    every block of K, with nothing narrower in between), bit for bit; an outlier token, and an
+    expert without tokens. A per-tensor cast of the same x gives another y (the check can fail)."""
+    b, mx = 8, recipe == "mxfp8"
+    gen = torch.Generator().manual_seed(1)
+    counts, (c, k, n) = [6, 0, 11], (11, 24, 16)
+    x = torch.randn(3, c, k, generator=gen).bfloat16()
+    x[0, 2, 5] = 300                                              # an outlier
+    w = (torch.randn(3, n, k, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(3, c, n, generator=gen).bfloat16()
+    for e, m in enumerate(counts):
+        x[e, m:], dy[e, m:] = 0, 0
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped_fp8(xg, wg, counts, ExpertStates(FP8Recipe(recipe, block=b), range(3)).local())
+    y.backward(dy)
+    bf = torch.bfloat16
+    for e, m in enumerate(counts):
+        if not m:
+            assert not y[e].any() and not xg.grad[e].any() and not wg.grad[e].any()
+            continue
+        xe, ge = x[e, :m], dy[e, :m]
+        hw = _hand_cast(w[e], 1 if mx else b, b, mx)
+        hw_dgrad = _hand_cast(w[e], b, 1, mx) if mx else hw
+        assert torch.equal(y[e, :m], (_hand_cast(xe, 1, b, mx) @ hw.t()).to(bf))
+        assert torch.equal(xg.grad[e, :m], (_hand_cast(ge, 1, b, mx) @ hw_dgrad).to(bf))
+        assert torch.equal(wg.grad[e], (_hand_cast(ge, b, 1, mx).t() @ _hand_cast(xe, b, 1, mx)).to(bf))
+        assert not y[e, m:].any()
+    per_tensor = (_hand_cast(x[0, :6], 6, k, mx) @ _hand_cast(w[0], n, k, mx).t()).to(bf)
+    assert not torch.equal(y[0, :6], per_tensor)
 
 
 def test_the_reference_expert_is_the_dense_fp8_linear():
@@ -119,7 +181,7 @@ def _report(run_ranks, grid, recipe="delayed", plant=None, steps=2, zero=None, s
     pcfg = pcfg or GRIDS[grid]
     rows = run_ranks(run_rank, pcfg, mcfg or ModelConfig(**SMALL), steps, torch.bfloat16, 0, 1e-4, 1e-6,
                      batch, None, plant, schedule, zero, world_size=pcfg.world_size,
-                     fp8=FP8Recipe(recipe))[0]
+                     fp8=_recipe(recipe))[0]
     return Report(rows)
 
 
@@ -135,6 +197,29 @@ def test_fp8_experts_pass_against_one_device(run_ranks, grid, recipe):
     assert _expert_scales_compared(report)
     # the dense FP8 splits' bar (tests/test_fp8.py): the twins' noise is the tolerance's unit
     assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 2, report.table()
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("grid", ["ep2", "ep2-tp2-sp"])
+def test_fine_grained_experts_pass_against_one_device(run_ranks, grid, recipe):
+    report = _report(run_ranks, grid, recipe)
+    assert report.passed, report.table()
+    assert _expert_scales_compared(report)
+    assert (recipe == "mxfp8") == any("powers of 2" in r.quantity for r in report.rows)
+    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 2, report.table()
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("plant", ["fp8-experts-unscaled", "fp8-experts-e5m2-forward"])
+def test_a_fault_in_the_fine_grained_experts_casts_fails(run_ranks, plant, recipe):
+    """Unscaled fails by 15x (blockwise) and 19x (mxfp8) at its worst row; E5M2 in the forward,
+    one mantissa bit, by 1.06x (blockwise) and 2x (mxfp8, the scale row) only: the verdict's
+    block-scale row compares each tensor's largest block scale, which its twins' noise widens."""
+    report = _report(run_ranks, "ep2", recipe, plant=plant)
+    assert not report.passed
+    worst = max(r.err / r.tol for r in report.failures if r.tol)
+    assert worst >= (3 if plant == "fp8-experts-unscaled" else 1), report.table()
+    assert any("mlp.experts." in r.quantity or "mlp.experts." in r.detail for r in report.failures)
 
 
 SWIGLU = ModelConfig(**{**SMALL, "activation": "swiglu", "norm": "rmsnorm"})

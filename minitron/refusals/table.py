@@ -59,12 +59,6 @@ TABLE: tuple[Refusal, ...] = (
          lambda o: o.fp8 and o.dtype != "fp8",
          "FP8 GEMMs run inside bfloat16 training (bf16 activations, fp32 master weights)",
          [{"dtype": "bfloat16"}], None),
-    _row("fp8-blocks-experts", "engine", ("fp8_recipe", "n_experts"),
-         lambda o: o.fp8_recipe in ("blockwise", "mxfp8") and o.n_experts,
-         "the expert GEMMs (tensor_parallel/fp8_batched.py) have per-tensor scales only: a scale "
-         "per block is built for the dense layers (tensor_parallel/fp8_blocks.py)",
-         [{"fp8_recipe": "current"}, {"fp8_recipe": "delayed"}],
-         "--tp 1 --ep 2 --experts 4 --dtype fp8 --fp8-recipe blockwise"),
     _row("fp8-blocks-tp-comm-overlap", "engine", ("fp8_recipe", "tp_comm_overlap"),
          lambda o: o.fp8_recipe in ("blockwise", "mxfp8") and o.tp_comm_overlap,
          "the ring's chunked FP8 GEMMs (fp8_linear.FP8RingGemms) take one scale per tensor; the "

@@ -34,6 +34,14 @@ and the padded rows change mm's blocking.) On an FP8 GPU torch._scaled_mm wants 
 that are multiples of 16, so each expert's rows are padded with zero rows up to one (zeros add
 nothing to a product, an amax or a weight gradient), as `expert_linear` does for one expert.
 
+The fine-grained recipes (blockwise: 1 x 128 tiles of the tokens, 128 x 128 weight blocks;
+mxfp8: 32-element blocks with E8M0 scales; fp8_blocks.py). A scale per block is an expert's own
+by construction (a block never spans two experts: each expert's rows and weight are separate
+GEMM operands), so each expert's real rows run through the dense layer's block-scaled linear
+with that expert's three BlockScalers, expert_linear itself: the same quantizers, the same tiles
+along each GEMM's K, the same float32 GEMM of the dequantized operands (DeepSeek-V3's promotion
+every 128 products, exactly). No amax is reduced: a block lies whole on the rank that casts it.
+
 Recomputation (model/recompute.py): the group's (input, weight) scales are one entry of the
 ScaleTape, replayed by the rerun. The weight gradients are computed in the backward, as the
 16-bit experts' are (torch.bmm's): zero-bubble schedules defer the dense layers' W only.
@@ -42,10 +50,12 @@ is an ExpertStates, a dict {global expert index: ExpertState}, named layer.{e}.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..runtime import comm
-from . import fp8_linear as dense
+from . import fp8_linear as dense, weight_grad
 from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
 
 
@@ -73,9 +83,12 @@ class ExpertScaler(TensorScaler):
 
 
 class ExpertState(dense.FP8State):
-    """One expert's three scalers of one stacked linear (FP8State's interface and checkpoint)."""
+    """One expert's three scalers of one stacked linear (FP8State's interface and checkpoint);
+    under blockwise or mxfp8 the dense layer's BlockScalers (fp8_blocks.py), nothing reduced."""
 
     def __init__(self, recipe: FP8Recipe, groups=()):
+        if recipe.fine_grained:
+            return super().__init__(recipe)
         self.recipe = recipe
         self.input = ExpertScaler(E4M3, recipe, groups)
         self.weight = ExpertScaler(E4M3, recipe, groups)
@@ -175,16 +188,42 @@ def grouped_fp8(x: torch.Tensor, weight: torch.Tensor, counts, states: list[Expe
     """torch.bmm(x, weight.transpose(1, 2)) for x [E, c, in], weight [E, out, in], in FP8 with
     expert e's scales on its first counts[e] rows (None: all c); the other rows of y are 0."""
     counts = tuple(int(n) for n in counts) if counts is not None else (x.shape[1],) * x.shape[0]
+    if states[0].recipe.fine_grained:
+        return _grouped_blocks(x, weight, counts, states)
     return _GroupedFP8.apply(x, weight, counts, states)
 
 
+def _grouped_blocks(x, weight, counts, states) -> torch.Tensor:
+    """The fine-grained group: each expert's real rows through the dense layer's block-scaled
+    GEMM (fp8_blocks.block_linear: its quantizers, tiles and float32 GEMM), exactly the
+    reference's expert_linear, so every block of a cast is one device's. No scales are shared
+    between experts (a block never spans two), so there is nothing to reduce or to stack."""
+    ys = [_pad_rows(expert_linear(x[e, :n], weight[e], None, st), x.shape[1])
+          for e, (n, st) in enumerate(zip(counts, states))]
+    return torch.stack(ys)
+
+
+@contextlib.contextmanager
+def _dL_dW_now():
+    """The experts' dL/dW is computed in their backward, as the 16-bit experts' torch.bmm's is
+    (module docstring): a zero-bubble schedule's capture does not reach their GEMMs, whose
+    weights are slices of one stacked parameter."""
+    before, weight_grad.STORE.capturing = weight_grad.STORE.capturing, False
+    try:
+        yield
+    finally:
+        weight_grad.STORE.capturing = before
+
+
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, bias, state: ExpertState) -> torch.Tensor:
-    """One expert alone, x [m, in]: the dense FP8 linear (fp8_linear.fp8_linear) with its state,
-    its rows padded as grouped_fp8 pads them on an FP8 GPU (the reference's way, moe/reference.py).
-    An expert without tokens runs on one zero row: its scalers see amax 0 in the forward and the
-    backward, as grouped_fp8's do (the dense linear takes no empty input)."""
+    """One expert alone, x [m, in]: the dense FP8 linear (FP8State.linear: fp8_linear, or the
+    block-scaled block_linear) with its state, its rows padded as grouped_fp8 pads them on an FP8
+    GPU (the reference's way, moe/reference.py). An expert without tokens runs on one zero row:
+    its scalers see amax 0 in the forward and the backward, as grouped_fp8's do (the dense
+    linear takes no empty input)."""
     m = x.shape[0]
-    return dense.fp8_linear(_pad_rows(x, max(1, _gemm_rows(m, x.device))), weight, bias, state)[:m]
+    with _dL_dW_now():
+        return state.linear(_pad_rows(x, max(1, _gemm_rows(m, x.device))), weight, bias)[:m]
 
 
 __all__ = ["ExpertScaler", "ExpertState", "ExpertStates", "amaxes", "reduce_amaxes", "grouped_fp8",

@@ -168,7 +168,8 @@ class Plant(StepHooks):
         if self.kind == "fp8-mx-scale-not-pow2" and recipe.scaling != "mxfp8":
             raise ValueError("plant fp8-mx-scale-not-pow2 breaks the power-of-two scales of "
                              "mxfp8: use --fp8-recipe mxfp8")
-        if self.kind.startswith("fp8-") and self.kind not in BLOCK_PLANTS and recipe.fine_grained:
+        if self.kind.startswith("fp8-") and not self.kind.startswith("fp8-experts-") \
+                and self.kind not in BLOCK_PLANTS and recipe.fine_grained:
             raise ValueError(f"plant {self.kind} breaks a per-tensor scale, and {recipe.scaling} "
                              "has one per block: use --fp8-recipe current")
         return self

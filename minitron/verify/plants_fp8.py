@@ -11,7 +11,7 @@ import torch
 
 from ..tensor_parallel.fp8 import E4M3, E5M2, delayed_scale, scale_from_amax
 from ..tensor_parallel.fp8_batched import ExpertState
-from ..tensor_parallel.fp8_blocks import quantize_blocks
+from ..tensor_parallel.fp8_blocks import block_amax, quantize_blocks
 from ..tensor_parallel.fp8_linear import named_fp8_states
 from .patching import patched
 
@@ -42,9 +42,14 @@ def _install_in_experts(kind: str, states: list) -> None:
     """fp8-experts-unscaled: every scale of the experts' GEMMs is 1 (their small weights and
     gradients lose their digits or underflow); fp8-experts-e5m2-forward: their inputs and
     weights cast to E5M2 (scaled to its range), the grouped GEMM casting with its scalers' format.
-    A rank whose model holds no experts (a pipeline stage without an MoE layer) has none to break."""
+    Under blockwise or mxfp8 (BlockScalers) unscaled is every block's scale 1. A rank whose
+    model holds no experts (a pipeline stage without an MoE layer) has none to break."""
     for state in states:
-        if kind == "fp8-experts-unscaled":
+        if kind == "fp8-experts-unscaled" and state.recipe.fine_grained:
+            for sc in state.scalers():
+                sc.quantize = lambda x, rows, cols, sc=sc: quantize_blocks(
+                    x, sc.fmt, rows, cols, sc.pow2, scales=torch.ones_like(block_amax(x, rows, cols)))
+        elif kind == "fp8-experts-unscaled":
             for scaler in state.scalers():
                 scaler._scale_for = lambda x: torch.ones((), device=x.device)
         elif kind == "fp8-experts-e5m2-forward":
