@@ -42,19 +42,33 @@ def _loop_and_group(recipe: str, counts, steps=3):
         dy = torch.randn(e, c, n, generator=gen).bfloat16()
         for i, m in enumerate(counts):
             x[i, m:], dy[i, m:] = 0, 0
-        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = grouped_fp8(xg, wg, counts, grouped.local()) + b[:, None, :]
-        y.backward(dy)
+        xg, wg = _rows(x, counts).requires_grad_(), w.clone().requires_grad_()
+        y = grouped_fp8(xg, wg, counts, grouped.local())
+        y.backward(_rows(dy, counts))
+        y, xg_grad = _padded(y, counts, c) + b[:, None, :], _padded(xg.grad, counts, c)
         for i, m in enumerate(counts):
             if not m:        # the dense linear takes no empty input; the group gives it nothing
-                differ += [bool(wg.grad[i].any()), bool(xg.grad[i].any())]
+                differ += [bool(wg.grad[i].any()), bool(xg_grad[i].any())]
                 continue
             xl, wl = x[i, :m].clone().requires_grad_(), w[i].clone().requires_grad_()
             yl = looped[i].linear(xl, wl, b[i])           # fp8_linear, or fp8_blocks' block_linear
             yl.backward(dy[i, :m])
-            differ += [not torch.equal(y[i, :m], yl), not torch.equal(xg.grad[i, :m], xl.grad),
+            differ += [not torch.equal(y[i, :m], yl), not torch.equal(xg_grad[i, :m], xl.grad),
                        not torch.equal(wg.grad[i], wl.grad)]
     return differ, grouped, looped
+
+
+def _rows(x: torch.Tensor, counts) -> torch.Tensor:
+    """The group's input from a padded [E, c, ...]: each expert's first counts[e] rows, in order."""
+    return torch.cat([x[e, :m] for e, m in enumerate(counts)])
+
+
+def _padded(rows: torch.Tensor, counts, c: int) -> torch.Tensor:
+    """[E, c, ...] from the group's rows, zeros below each expert's counts[e]."""
+    out = rows.new_zeros(len(counts), c, *rows.shape[1:])
+    for e, block in enumerate(rows.split(list(counts))):
+        out[e, :block.shape[0]] = block
+    return out
 
 
 def _recipe(scaling: str) -> FP8Recipe:
@@ -108,21 +122,21 @@ def test_the_fine_grained_group_is_the_hand_quantizer(recipe):
     dy = torch.randn(3, c, n, generator=gen).bfloat16()
     for e, m in enumerate(counts):
         x[e, m:], dy[e, m:] = 0, 0
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xg, wg = _rows(x, counts).requires_grad_(), w.clone().requires_grad_()
     y = grouped_fp8(xg, wg, counts, ExpertStates(FP8Recipe(recipe, block=b), range(3)).local())
-    y.backward(dy)
+    y.backward(_rows(dy, counts))
+    y, dx = _padded(y, counts, c), _padded(xg.grad, counts, c)
     bf = torch.bfloat16
     for e, m in enumerate(counts):
         if not m:
-            assert not y[e].any() and not xg.grad[e].any() and not wg.grad[e].any()
+            assert not y[e].any() and not dx[e].any() and not wg.grad[e].any()
             continue
         xe, ge = x[e, :m], dy[e, :m]
         hw = _hand_cast(w[e], 1 if mx else b, b, mx)
         hw_dgrad = _hand_cast(w[e], b, 1, mx) if mx else hw
         assert torch.equal(y[e, :m], (_hand_cast(xe, 1, b, mx) @ hw.t()).to(bf))
-        assert torch.equal(xg.grad[e, :m], (_hand_cast(ge, 1, b, mx) @ hw_dgrad).to(bf))
+        assert torch.equal(dx[e, :m], (_hand_cast(ge, 1, b, mx) @ hw_dgrad).to(bf))
         assert torch.equal(wg.grad[e], (_hand_cast(ge, b, 1, mx).t() @ _hand_cast(xe, b, 1, mx)).to(bf))
-        assert not y[e, m:].any()
     per_tensor = (_hand_cast(x[0, :6], 6, k, mx) @ _hand_cast(w[0], n, k, mx).t()).to(bf)
     assert not torch.equal(y[0, :6], per_tensor)
 
@@ -142,35 +156,35 @@ def test_a_rerun_replays_the_scales_of_the_first_forward():
     """Recomputation (fp8_linear.ScaleTape): the rerun casts as the first forward did, and no
     amax is recorded twice."""
     states = ExpertStates(FP8Recipe("delayed"), range(2))
-    x, w = torch.randn(2, 4, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16()
-    grouped_fp8(x, w, None, states.local())                      # a history to start from
+    x, w = torch.randn(8, 16).bfloat16(), torch.randn(2, 8, 16).bfloat16()
+    grouped_fp8(x, w, [4, 4], states.local())                      # a history to start from
     tape = ScaleTape()
     with tape.recording():
-        first = grouped_fp8(3 * x, w, None, states.local())
+        first = grouped_fp8(3 * x, w, [4, 4], states.local())
     uses = [st.input.uses for st in states.local()]
     with tape.replay():
-        again = grouped_fp8(3 * x, w, None, states.local())
+        again = grouped_fp8(3 * x, w, [4, 4], states.local())
     assert torch.equal(first, again) and uses == [st.input.uses for st in states.local()]
-    assert not torch.equal(first, grouped_fp8(3 * x, w, None, states.local()))   # the next use: new scales
+    assert not torch.equal(first, grouped_fp8(3 * x, w, [4, 4], states.local()))   # the next use: new scales
 
 
 def test_each_expert_has_its_own_scale():
     """Experts of different magnitudes: one scale over the group would not be each expert's."""
     states = ExpertStates(FP8Recipe("current"), range(2))
-    x = torch.ones(2, 4, 16, dtype=torch.bfloat16)
-    x[1] *= 8
-    grouped_fp8(x, torch.ones(2, 8, 16, dtype=torch.bfloat16), None, states.local())
+    x = torch.ones(8, 16, dtype=torch.bfloat16)
+    x[4:] *= 8
+    grouped_fp8(x, torch.ones(2, 8, 16, dtype=torch.bfloat16), [4, 4], states.local())
     s0, s1 = (st.input.last for st in states.local())
     assert torch.equal(s0, 8 * s1)
 
 
 def test_an_expert_without_tokens_keeps_its_scale_and_counts_the_use():
     states = ExpertStates(FP8Recipe("delayed"), range(2))
-    x = torch.randn(2, 4, 16).bfloat16()
+    x = torch.randn(8, 16).bfloat16()
     w = torch.randn(2, 8, 16).bfloat16()
     grouped_fp8(x, w, [4, 4], states.local())
     before = states.local()[1].input.scale.clone()
-    grouped_fp8(torch.cat([x[:1], torch.zeros_like(x[1:])]), w, [4, 0], states.local())
+    grouped_fp8(x[:4], w, [4, 0], states.local())
     idle = states.local()[1].input
     assert idle.uses == 2 and torch.equal(idle.last, before) and idle.history[1] == 0
 

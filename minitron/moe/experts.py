@@ -1,4 +1,4 @@
-"""The experts one rank holds, run as one batched matmul rather than a loop over experts.
+"""The experts one rank holds: one GEMM per expert, each on that expert's block of rows.
 
 Each expert is the dense model's MLP (fc1, activation, fc2; SwiGLU adds a gate). The weights
 of the E_local experts on this rank are stacked along a leading expert dimension, in the
@@ -12,14 +12,17 @@ Tensor parallelism splits *inside* each expert, exactly as in the dense MLP: fc1
 (the dispatcher does it on the way back). fc2's bias must be added once per token: the
 dispatcher says which rows are this rank's to add it to (`bias_rows`).
 
-The tokens arrive sorted by expert with `counts[e]` rows for expert e. They are placed into a
-zero-padded [E_local, max count, h] tensor so one torch.bmm runs every expert at once (a
-grouped GEMM on a GPU does the same without the padding); padded rows are computed and thrown
-away, never read back, so they receive no gradient.
+The tokens arrive sorted by expert with `counts[e]` rows for expert e, so each expert's rows
+are one contiguous block: each block meets its expert's weight in one GEMM of exactly its rows
+(F.linear), which is what a grouped GEMM (Megatron-Core's, on a GPU) does in one launch. No
+zero-padded [E_local, max count, h] tensor is built for a torch.bmm: the busiest expert would
+set every expert's row count, and the padded rows' products, computed and thrown away, made an
+MoE step at ep=1 take 1.10x the reference's CPU time (`python -m minitron.bench overhead`; 0.95x
+without them). An expert's block is the rows the single-device
+reference (moe/reference.py) gives that expert, in the same order.
 
 FP8 (--dtype fp8, enable_fp8_experts): each StackedLinear's GEMMs are FP8 GEMMs with a scale per
-expert and tensor (tensor_parallel/fp8_batched.py): each expert's real rows, counts[e] of them,
-are its GEMM, so the padded rows are not computed.
+expert and tensor (tensor_parallel/fp8_batched.py), on the same blocks of rows.
 """
 from __future__ import annotations
 
@@ -41,14 +44,19 @@ class StackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n, out_features)) if bias else None
         self.fp8: ExpertStates | None = None
 
-    def forward(self, x: torch.Tensor, with_bias: bool = True, counts=None) -> torch.Tensor:
-        """x [E, c, in] -> [E, c, out]; in FP8 only the first counts[e] rows of expert e are
-        computed (the others are 0)."""
+    def forward(self, x: torch.Tensor, counts: list[int], with_bias: bool = True) -> torch.Tensor:
+        """x [m, in], sorted by expert (counts[e] rows of expert e) -> [m, out]: each expert's
+        block of rows through its own weight, one GEMM per expert."""
         if self.fp8 is not None:
             y = grouped_fp8(x, self.weight, counts, self.fp8.local())
         else:
-            y = torch.bmm(x, self.weight.transpose(1, 2))
-        return y + self.bias[:, None, :] if with_bias and self.bias is not None else y
+            y = torch.cat([F.linear(rows, w) for rows, w in zip(x.split(counts), self.weight.unbind(0))])
+        return y + self.bias_rows(counts) if with_bias and self.bias is not None else y
+
+    def bias_rows(self, counts: list[int]) -> torch.Tensor:
+        """[m, out]: expert e's bias on each of its counts[e] rows."""
+        return self.bias.repeat_interleave(torch.tensor(counts, device=self.bias.device), dim=0,
+                                           output_size=sum(counts))
 
     def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e alone on x [m, in] (moe/reference.py's loop): F.linear, or in FP8 the dense
@@ -78,21 +86,12 @@ class GroupedExperts(nn.Module):
         """x [m, h] sorted by local expert (counts[e] rows each) -> [m, h].
 
         fc2's bias is added to the rows where `bias_rows` is True (all rows when None)."""
-        m, h = x.shape   # m may be 0: the weights then get zero gradients, as they should
-        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                         torch.tensor(counts, device=x.device))
-        starts = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0)
-        slot = torch.arange(m, device=x.device) - starts[expert]
-        padded = x.new_zeros(self.n_local, max(counts), h)
-        padded = padded.index_put((expert, slot), x)                  # [E_local, c, h]
-        up = self.fc1(padded, counts=counts)
-        if self.cfg.activation == "swiglu":
-            act = F.silu(self.gate(padded, counts=counts)) * up
-        else:
-            act = F.gelu(up)
-        y = self.fc2(act, with_bias=False, counts=counts)[expert, slot]   # [m, h]
+        counts = [int(n) for n in counts]   # m = sum(counts) may be 0: zero weight gradients
+        up = self.fc1(x, counts)
+        act = F.silu(self.gate(x, counts)) * up if self.cfg.activation == "swiglu" else F.gelu(up)
+        y = self.fc2(act, counts, with_bias=False)
         if self.fc2.bias is not None:
-            b = self.fc2.bias[expert]
+            b = self.fc2.bias_rows(counts)
             y = y + (b if bias_rows is None else b * bias_rows[:, None].to(b.dtype))
         return y
 

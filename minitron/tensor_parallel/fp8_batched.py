@@ -1,7 +1,7 @@
 """FP8 GEMMs of the experts: the local experts' GEMMs in one call, each expert with its own scales.
 
 An MoE layer's expert GEMM is E_local independent GEMMs (moe/experts.py's StackedLinear: weight
-[E_local, out, in], the rows of each expert in a zero-padded [E_local, c, in] tensor). In FP8
+[E_local, out, in]; the rows x [m, in] sorted by expert, counts[e] of them for expert e). In FP8
 each is the dense FP8 linear of fp8_linear.py: E4M3 input and weight, E5M2 output gradient,
 float32 accumulation, one rescale. What is per expert is the scaling: expert e's weight and
 its tokens are tensors of their own, so each expert has its own three scalers (input, weight,
@@ -29,8 +29,7 @@ A dp or cp rank's gradients are those of its own mean loss, dense_dp times the w
 The GEMM. On a CPU (emulation) and on a GPU alike, each expert's real rows (counts[e] of them)
 are one FP8 GEMM, fp8_linear.scaled_matmul, the dense layer's: the group is computed exactly as
 a loop of the dense FP8 linear over the experts would compute it (tests/test_fp8_experts.py).
-(A float32 torch.bmm of the widened operands is not: its sums run in another order than mm's,
-and the padded rows change mm's blocking.) On an FP8 GPU torch._scaled_mm wants dimensions
+On an FP8 GPU torch._scaled_mm wants dimensions
 that are multiples of 16, so each expert's rows are padded with zero rows up to one (zeros add
 nothing to a product, an amax or a weight gradient), as `expert_linear` does for one expert.
 
@@ -44,7 +43,7 @@ every 128 products, exactly). No amax is reduced: a block lies whole on the rank
 
 Recomputation (model/recompute.py): the group's (input, weight) scales are one entry of the
 ScaleTape, replayed by the rerun. The weight gradients are computed in the backward, as the
-16-bit experts' are (torch.bmm's): zero-bubble schedules defer the dense layers' W only.
+16-bit experts' are (their F.linear's): zero-bubble schedules defer the dense layers' W only.
 Checkpoints and the verifier find the scalers through named_fp8_states: a StackedLinear's `fp8`
 is an ExpertStates, a dict {global expert index: ExpertState}, named layer.{e}.
 """
@@ -113,6 +112,11 @@ def amaxes(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().reshape(x.shape[0], -1).amax(dim=1).float()
 
 
+def row_amaxes(x: torch.Tensor, counts) -> torch.Tensor:
+    """[E] float32: the amax of each expert's rows of x [m, ...] (counts[e] rows each, in order)."""
+    return torch.stack([amaxes(rows[None])[0] for rows in x.split(counts)])
+
+
 def reduce_amaxes(a: torch.Tensor, groups) -> torch.Tensor:
     for g in groups:
         comm.all_reduce(a, g, op="max")
@@ -130,7 +134,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def _forward_scales(x: torch.Tensor, weight: torch.Tensor, states: list[ExpertState]):
+def _forward_scales(x: torch.Tensor, weight: torch.Tensor, counts, states: list[ExpertState]):
     """([E] input scales, [E] weight scales): every amax of the group in one reduction; inside a
     recomputed region the ScaleTape records them, and its rerun replays them."""
     tape = dense.ScaleTape.active
@@ -138,7 +142,7 @@ def _forward_scales(x: torch.Tensor, weight: torch.Tensor, states: list[ExpertSt
         tape.replaying += 1
         return tape.scales[tape.replaying - 1]
     n = len(states)
-    a = reduce_amaxes(torch.cat([amaxes(x), amaxes(weight)]), states[0].input.groups)
+    a = reduce_amaxes(torch.cat([row_amaxes(x, counts), amaxes(weight)]), states[0].input.groups)
     s_x = torch.stack([st.input.scale_for_amax(a[e]) for e, st in enumerate(states)])
     s_w = torch.stack([st.weight.scale_for_amax(a[n + e]) for e, st in enumerate(states)])
     if tape is not None:
@@ -147,65 +151,66 @@ def _forward_scales(x: torch.Tensor, weight: torch.Tensor, states: list[ExpertSt
 
 
 class _GroupedFP8(torch.autograd.Function):
-    """y[e, :n_e] = FP8 GEMM of x[e, :n_e] and weight[e] (module docstring); padded rows of y: 0."""
+    """y[rows of e] = FP8 GEMM of x[rows of e] and weight[e] (module docstring), x [m, in]."""
 
     @staticmethod
     def forward(ctx, x, weight, counts, states):
-        s_x, s_w = _forward_scales(x, weight, states)
+        s_x, s_w = _forward_scales(x, weight, counts, states)
         fmt_x, fmt_w = states[0].input.fmt, states[0].weight.fmt   # E4M3 (a plant may change them)
         q_w = quantize(weight, s_w[:, None, None], fmt_w)          # [E, out, in]
-        y = x.new_zeros(*x.shape[:2], weight.shape[1])
-        q_xs = []
-        for e, n in enumerate(counts):
-            q_x = quantize(_pad_rows(x[e, :n], _gemm_rows(n, x.device)), s_x[e], fmt_x)
-            if n:
-                y[e, :n] = dense.scaled_matmul(q_x, s_x[e], q_w[e].t(), s_w[e], x.dtype)[:n]
+        ys, q_xs = [], []
+        for e, rows in enumerate(x.split(counts)):
+            n = rows.shape[0]
+            q_x = quantize(_pad_rows(rows, _gemm_rows(n, x.device)), s_x[e], fmt_x)
+            ys.append(dense.scaled_matmul(q_x, s_x[e], q_w[e].t(), s_w[e], x.dtype)[:n] if n
+                      else x.new_zeros(0, weight.shape[1]))
             q_xs.append(q_x)
         ctx.save_for_backward(q_w, s_x, s_w, *q_xs)
-        ctx.counts, ctx.states, ctx.dtypes, ctx.x_shape = counts, states, (x.dtype, weight.dtype), x.shape
-        return y
+        ctx.counts, ctx.states, ctx.dtypes = counts, states, (x.dtype, weight.dtype)
+        return torch.cat(ys)
 
     @staticmethod
     def backward(ctx, dy):
         q_w, s_x, s_w, *q_xs = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         states, counts = ctx.states, ctx.counts
-        a = reduce_amaxes(amaxes(dy), states[0].grad.groups)
+        a = reduce_amaxes(row_amaxes(dy, counts), states[0].grad.groups)
         s_g = torch.stack([st.grad.scale_for_amax(a[e]) for e, st in enumerate(states)])
         fmt_g = states[0].grad.fmt
-        dx = dy.new_zeros(ctx.x_shape, dtype=x_dtype)
+        dxs = []
         dw = torch.zeros(q_w.shape, dtype=w_dtype, device=dy.device)
-        for e, n in enumerate(counts):
+        for e, g in enumerate(dy.split(counts)):
+            n = g.shape[0]
             if not n:
+                dxs.append(g.new_zeros(0, q_w.shape[2], dtype=x_dtype))
                 continue
-            q_g = quantize(_pad_rows(dy[e, :n], q_xs[e].shape[0]), s_g[e], fmt_g)
-            dx[e, :n] = dense.scaled_matmul(q_g, s_g[e], q_w[e], s_w[e], x_dtype)[:n]
+            q_g = quantize(_pad_rows(g, q_xs[e].shape[0]), s_g[e], fmt_g)
+            dxs.append(dense.scaled_matmul(q_g, s_g[e], q_w[e], s_w[e], x_dtype)[:n])
             dw[e] = dense.scaled_matmul(q_g.t(), s_g[e], q_xs[e], s_x[e], w_dtype)
-        return dx, dw, None, None
+        return torch.cat(dxs), dw, None, None
 
 
 def grouped_fp8(x: torch.Tensor, weight: torch.Tensor, counts, states: list[ExpertState]) -> torch.Tensor:
-    """torch.bmm(x, weight.transpose(1, 2)) for x [E, c, in], weight [E, out, in], in FP8 with
-    expert e's scales on its first counts[e] rows (None: all c); the other rows of y are 0."""
-    counts = tuple(int(n) for n in counts) if counts is not None else (x.shape[1],) * x.shape[0]
+    """The group's GEMMs x [m, in] -> [m, out] with weight [E, out, in], in FP8: x's rows sorted by
+    expert, counts[e] of them expert e's, each expert's rows with that expert's scales."""
+    counts = [int(n) for n in counts]
     if states[0].recipe.fine_grained:
         return _grouped_blocks(x, weight, counts, states)
     return _GroupedFP8.apply(x, weight, counts, states)
 
 
 def _grouped_blocks(x, weight, counts, states) -> torch.Tensor:
-    """The fine-grained group: each expert's real rows through the dense layer's block-scaled
+    """The fine-grained group: each expert's rows through the dense layer's block-scaled
     GEMM (fp8_blocks.block_linear: its quantizers, tiles and float32 GEMM), exactly the
     reference's expert_linear, so every block of a cast is one device's. No scales are shared
     between experts (a block never spans two), so there is nothing to reduce or to stack."""
-    ys = [_pad_rows(expert_linear(x[e, :n], weight[e], None, st), x.shape[1])
-          for e, (n, st) in enumerate(zip(counts, states))]
-    return torch.stack(ys)
+    return torch.cat([expert_linear(rows, w, None, st)
+                      for rows, w, st in zip(x.split(counts), weight.unbind(0), states)])
 
 
 @contextlib.contextmanager
 def _dL_dW_now():
-    """The experts' dL/dW is computed in their backward, as the 16-bit experts' torch.bmm's is
+    """The experts' dL/dW is computed in their backward, as the 16-bit experts' F.linear's is
     (module docstring): a zero-bubble schedule's capture does not reach their GEMMs, whose
     weights are slices of one stacked parameter."""
     before, weight_grad.STORE.capturing = weight_grad.STORE.capturing, False
