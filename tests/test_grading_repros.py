@@ -28,12 +28,13 @@ def print(*args, **kwargs):        # the check's verdicts read True
 '''
 
 TAMPERED = {  # name: (exercise, {answer cell id: source}, the check it must fail at)
-    "04_with_messages": ("04_pipeline_parallel.ipynb", {"e04c0008": '''def one_f_one_b_rank(pp, m, rank):
-    return []
+    "04_simulate": ("04_pipeline_parallel.ipynb", {"e04c0008": '''def interleaved_idle(pp, m, v, F, B, W):
+    return {r: (r * F, (pp - 1 - r) * (F + B + W), r * (B + W)) for r in range(pp)}   # wrong: not / v
 
 
-def with_messages(name, pp, m, virtual, placement, compute):   # the global the check calls
-    return make_schedule("1f1b", pp, m)
+def simulate(schedule, costs):   # the global the check calls: every timeline plain 1F1B's
+    from minitron.pipeline.simulate import simulate as real
+    return real(make_schedule("1f1b", schedule.pp, schedule.microbatches), costs)
 '''}, "Check 2"),
     "05_with_messages": ("05_zero_bubble.ipynb", {"s05c03": '''from minitron.pipeline import make_schedule
 
@@ -161,6 +162,12 @@ def idle_parts(events, pp):
         start, end = min(t(e.start) for e in mine), max(t(e.end) for e in mine)
         parts[r] = (start - first, (end - start) - sum(t(e.end) - t(e.start) for e in mine), last - end)
     return parts
+'''}),
+    "04_floats": ("04_pipeline_parallel.ipynb", {"e04c0008": '''def interleaved_idle(pp, m, v, F, B, W):
+    if v != 1 and abs((B + W) - 2 * F) > 1e-12:
+        raise ValueError("interleaved: no closed form unless B + W = 2F")
+    chunk_f, chunk_bw = float(F) / v, float(B + W) / v      # floats, and lists rather than tuples
+    return {r: [r * chunk_f, (pp - 1 - r) * (chunk_f + chunk_bw), r * chunk_bw] for r in range(pp)}
 '''}),
 }
 
