@@ -169,6 +169,19 @@ def idle_parts(events, pp):
     chunk_f, chunk_bw = float(F) / v, float(B + W) / v      # floats, and lists rather than tuples
     return {r: [r * chunk_f, (pp - 1 - r) * (chunk_f + chunk_bw), r * chunk_bw] for r in range(pp)}
 '''}),
+    "00_per_step_sum": ("00_collectives.ipynb", {"5eb86d87": '''def all_reduce_time(algorithm, n, S, alpha, beta):
+    if algorithm not in ("bidirectional_ring", "halving_doubling"):
+        raise ValueError(f"no model for {algorithm!r}")
+    if algorithm == "halving_doubling" and n & (n - 1):
+        raise ValueError(f"halving-doubling on {n} ranks: not a power of two")
+    if n == 1:
+        return 0                                      # an int, and the time step by step below
+    if algorithm == "bidirectional_ring":
+        link = S / n if n == 2 else S / (2 * n)       # two ranks: both messages on the one link
+        return sum(alpha + link / beta for _ in range(2 * (n - 1)))
+    halving = [S / 2 ** (i + 1) for i in range(n.bit_length() - 1)]   # S/2, S/4, ..., S/n
+    return sum(alpha + b / beta for b in halving + halving[::-1])
+'''}),
 }
 
 # exercise 08's answers of another form, each one function of the solution replaced

@@ -1,30 +1,37 @@
-"""Planted wrong answer for exercises/00_collectives.ipynb: the ring's all-gather phase stops one
-step early (range(n - 2)), so on every rank one chunk keeps its partial sum instead of the
-complete one. It runs without an error and sends 2(n-1) - 1 messages; Check 1 compares the
-result with comm.all_reduce and counts the sends and bytes."""
+"""Planted wrong answer for exercises/00_collectives.ipynb: the leftward half of the bidirectional
+ring reuses the lesson's rightward chunk indices, (r-s-1) and (r-s-2), where the mirrored ring
+needs (r+s+1) and (r+s+2) (and (r+s), (r+s+1) in the all-gather). Every message has the right
+size and goes to the right neighbour, so it runs without an error or a hang and counts the right
+steps and bytes; but from three ranks on, the chunks that arrive from the right are added into the
+wrong slots, and Check 1's results differ from comm.all_reduce. (On two ranks both directions
+coincide and it is right.)"""
 
 WRONG = {
-    "52966923": '''def ring_all_reduce(t: torch.Tensor, group: comm.Group) -> torch.Tensor:
-    "The element-wise sum of t over the group, on every rank, from point-to-point messages only."
+    "52966923": '''def bidirectional_ring_all_reduce(t: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    "The element-wise sum of t over the group: one half round the ring each way, both at once."
     n, r = group.size, group.rank
     if n == 1:
         return t.clone()
-    chunks = [c.clone() for c in t.reshape(-1).chunk(n)]
+    first, second = t.reshape(-1).chunk(2)
+    cw = [c.clone() for c in first.chunk(n)]
+    ccw = [c.clone() for c in second.chunk(n)]
     right, left = (r + 1) % n, (r - 1) % n
 
     def step(out_c, in_c, add):
-        incoming = torch.empty_like(chunks[in_c])
-        comm.exchange([comm.P2P("send", chunks[out_c], right), comm.P2P("recv", incoming, left)], group)
+        from_left, from_right = torch.empty_like(cw[in_c]), torch.empty_like(ccw[in_c])
+        comm.exchange([comm.P2P("send", cw[out_c], right), comm.P2P("send", ccw[out_c], left),
+                       comm.P2P("recv", from_left, left), comm.P2P("recv", from_right, right)], group)
         if add:
-            chunks[in_c] += incoming
+            cw[in_c] += from_left
+            ccw[in_c] += from_right        # wrong: the leftward ring's chunks are mirrored
         else:
-            chunks[in_c] = incoming
+            cw[in_c], ccw[in_c] = from_left, from_right
 
-    for s in range(n - 1):  # reduce-scatter
+    for s in range(n - 1):
         step((r - s - 1) % n, (r - s - 2) % n, add=True)
-    for s in range(n - 2):  # all-gather, one step short
+    for s in range(n - 1):
         step((r - s) % n, (r - s - 1) % n, add=False)
-    return torch.cat(chunks).reshape(t.shape)
+    return torch.cat(cw + ccw).reshape(t.shape)
 ''',
 }
 
