@@ -182,6 +182,24 @@ def idle_parts(events, pp):
     halving = [S / 2 ** (i + 1) for i in range(n.bit_length() - 1)]   # S/2, S/4, ..., S/n
     return sum(alpha + b / beta for b in halving + halving[::-1])
 '''}),
+    "01_up_first": ("01_tensor_parallel_mlp.ipynb", {  # [up_i; gate_i] by index_select, and a forward that agrees
+        "cb02463a": '''def fused_fc1_shard(gate, up, t, i):
+    m = gate.out_features
+    if m % t:
+        raise ValueError(f"inner width {m} over {t} ranks")
+    rows = torch.arange(i * (m // t), (i + 1) * (m // t))
+    weight = torch.cat([up.weight.index_select(0, rows), gate.weight.index_select(0, rows)])
+    bias = torch.cat([up.bias.index_select(0, rows), gate.bias.index_select(0, rows)])
+    return weight, bias
+''',
+        "f26fbb7d": '''def swiglu_mlp_tp(x, gate, up, down, tp):
+    weight, bias = fused_fc1_shard(gate, up, tp.size, tp.rank)
+    h = F.linear(mappings.copy_to_tensor_model_parallel_region(x, tp), weight, bias)
+    up_part, gate_part = h.split(h.shape[-1] // 2, dim=-1)
+    cols = down.weight.shape[1] // tp.size
+    y = (F.silu(gate_part) * up_part) @ down.weight[:, tp.rank * cols:(tp.rank + 1) * cols].T
+    return down.bias + mappings.reduce_from_tensor_model_parallel_region(y, tp)
+'''}),
 }
 
 # exercise 08's answers of another form, each one function of the solution replaced

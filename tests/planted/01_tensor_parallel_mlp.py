@@ -1,46 +1,18 @@
-"""Planted wrong answer for exercises/01_tensor_parallel_mlp.ipynb: f (CopyToTP) all-reduces in
-the forward pass as well as in the backward, as if "copy to the tensor-parallel region" meant
-"make the ranks agree". Every rank already holds the same X, so the forward multiplies it by t.
-It runs without an error; Check 1's forward verdict and forward collective count catch it."""
+"""Planted wrong answer for exercises/01_tensor_parallel_mlp.ipynb: the fused single-device fc1
+[gate; up] cut into t contiguous blocks, as lesson 01 cut A by columns. On two ranks rank 0 then
+holds all of gate and rank 1 all of up, so each rank's gated product multiplies gate entries by
+gate entries (or up by up). It runs without an error, with the right shapes and collectives, and
+is right on one rank; Check 1's rows held catch it at t = 2. Part 2's forward is the solution's."""
 
 WRONG = {
-    "cb02463a": '''class CopyToTP(torch.autograd.Function):
-    "f: identity forward; backward sums the gradients of all ranks."
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_reduce(x.clone(), group)  # wrong: f's forward is the identity
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce(grad.clone(), ctx.group), None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    "g: forward sums over the ranks; identity backward."
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return comm.all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class GatherFromTP(torch.autograd.Function):
-    "Forward: concatenate every rank's tensor along the last dimension. Backward: its adjoint."
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_gather(x, group, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group = ctx.group
-        return grad.chunk(group.size, dim=-1)[group.rank].contiguous(), None
+    "cb02463a": '''def fused_fc1_shard(gate: nn.Linear, up: nn.Linear, t: int, i: int):
+    "Rank i's fused [gate; up] weight and bias: everything its block of the inner width needs, for one GEMM."
+    m = gate.out_features
+    if m % t:
+        raise ValueError(f"the inner width {m} is not divisible by the {t} tensor-parallel ranks")
+    weight = torch.cat([gate.weight, up.weight]).chunk(t)[i]      # wrong: fuse first, then cut
+    bias = torch.cat([gate.bias, up.bias]).chunk(t)[i]
+    return weight, bias
 ''',
 }
 
