@@ -36,6 +36,12 @@ def simulate(schedule, costs):   # the global the check calls: every timeline pl
     from minitron.pipeline.simulate import simulate as real
     return real(make_schedule("1f1b", schedule.pp, schedule.microbatches), costs)
 '''}, "Check 2"),
+    "04_simulates": ("04_pipeline_parallel.ipynb", {"e04c0008": '''def interleaved_idle(pp, m, v, F, B, W):
+    from minitron.pipeline import make_schedule
+    from minitron.pipeline.simulate import simulate as timed   # measured, not derived
+    t = timed(make_schedule("1f1b" if v == 1 else "interleaved", pp, m, v), Costs(F, B, W))
+    return idle_parts(t.events, pp)
+'''}, "Check 2"),
     "05_with_messages": ("05_zero_bubble.ipynb", {"s05c03": '''from minitron.pipeline import make_schedule
 
 
