@@ -11,6 +11,8 @@ Each pipeline rank walks its own action list (pipeline/actions.py) in order:
   B   the same, but the linear layers queue their weight-gradient GEMMs (weight_grad.py)
   W   run the queued weight-gradient GEMMs of that (micro-batch, stage)
   SEND_*/RECV_*  consecutive message actions are posted together as one batch (p2p.py)
+An overlapped (F, BW) pair (Schedule.overlapped, DualPipeV) runs as one where the stages have
+an MoE all-to-all to hide: each half's all-to-alls in flight while the other computes (pairs.py).
 
 After the last action the gradient fix-ups (PipelineGPT.finalize_grads): sequence-parallel sums
 over tp, the average over cp, the tied embedding over the first and last stage.
@@ -43,6 +45,7 @@ from ..context_parallel import shard_sequence, unshard_sequence
 from ..tensor_parallel import weight_grad
 from .actions import B, BW, COMPUTE, F, RECV_F, SEND_B, SEND_F, W, Action, Event, Schedule
 from .memory import ActivationMemory
+from . import pairs
 from .p2p import check_message_order, exchange, message_shape
 
 # `model` below is a PipelineGPT (model/stages.py): a floor above this one, so only named here.
@@ -153,19 +156,35 @@ class _Run:
     def _local(self, stage: int) -> bool:
         return self.schedule.stage_rank[stage] == self.grid.pp.rank
 
-    def compute(self, action: Action) -> None:
-        start = time.perf_counter()
+    def act(self, action: Action) -> None:
         if action.kind == F:
             self.forward(action.microbatch, action.stage)
         elif action.kind in (B, BW):
             self.backward(action.microbatch, action.stage, defer=action.kind == B)
         else:
             self.weights(action.microbatch, action.stage)
+
+    def compute(self, action: Action) -> None:
+        start = time.perf_counter()
+        pairs.run_alone(str(action), lambda: self.act(action))
+        self._ran([(action, start, None)])
+
+    def compute_pair(self, f: Action, bw: Action) -> None:
+        """An overlapped (F, BW) pair run as one (pairs.py): each half's all-to-alls in flight
+        while the other computes. Their events overlap in time, as the halves do."""
+        spans = pairs.run_pair((str(f), lambda: self.act(f)), (str(bw), lambda: self.act(bw)),
+                               self.device)
+        (f_start, f_end), (bw_start, _) = spans
+        self._ran([(f, f_start, f_end), (bw, bw_start, None)])
+
+    def _ran(self, ran: list[tuple[Action, float, float | None]]) -> None:
+        """Record the actions just run (end None: now, after the device's kernels)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)    # the kernels' end, not their launch
-        end = time.perf_counter()
-        self.events.append(Event(self.grid.pp.rank, action.kind, action.microbatch, action.stage,
-                                 start, end))
+        now = time.perf_counter()
+        for action, start, end in ran:
+            self.events.append(Event(self.grid.pp.rank, action.kind, action.microbatch,
+                                     action.stage, start, now if end is None else end))
         if self.track_memory:
             self.memory.sample()
 
@@ -184,9 +203,13 @@ class _Run:
             else:
                 self.grad_out[(a.microbatch, a.stage)] = t
 
-    def run(self, actions, on_last_backward=None) -> None:
+    def run(self, actions, on_last_backward=None, overlap: bool = False) -> None:
         batch: list[Action] = []
         tail = last_backward_tail(actions, self.schedule.microbatches)
+        paired = dict(self.schedule.overlapped.get(self.grid.pp.rank, ())) if overlap else {}
+        partner_of = None                # the BW already run with its F
+        if tail is not None and actions[tail] in paired.values():
+            tail -= 1                    # a pair's BW runs with its F, the action before it
         for i, action in enumerate(actions):
             if i == tail and on_last_backward is not None:
                 on_last_backward()
@@ -194,7 +217,13 @@ class _Run:
                 if batch:
                     self.messages(batch)
                     batch = []
-                self.compute(action)
+                if action == partner_of:
+                    continue
+                partner_of = paired.get(action)      # the pair's BW is the next action (check.py)
+                if partner_of is not None:
+                    self.compute_pair(action, partner_of)
+                else:
+                    self.compute(action)
             else:
                 batch.append(action)
         if batch:
@@ -236,10 +265,17 @@ def last_backward_tail(actions: list[Action], microbatches: int) -> int | None:
     return tail[0] if tail else None
 
 
+def hides_all_to_all(model: PipelineGPT) -> bool:
+    """Whether the model's stages have all-to-alls that an overlapped pair can hide: experts
+    whose tokens travel over tp x ep ranks (moe/dispatch.py)."""
+    return bool(model.cfg.n_experts) and model.grid.tp_ep.size > 1
+
+
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
                  *, layout: str = "zigzag", keep_outputs: bool = True, track_memory: bool = False,
                  first_row: int = 0, finalize_grads: bool = True,
-                 on_last_backward=None, start_line: bool = False) -> StepResult:
+                 on_last_backward=None, start_line: bool = False,
+                 overlap: bool | None = None) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank;
     a cp rank runs its own chunks of every sequence).
 
@@ -254,13 +290,18 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     (last_backward_tail): a data-parallel engine turns its sync on there.
     start_line=True: a barrier over every rank first, so the ranks' clocks start together (a
     measured timeline, measure.py). A training step needs none: the first messages order the
-    ranks, and a barrier is one more round trip every step."""
+    ranks, and a barrier is one more round trip every step.
+    overlap: run Schedule.overlapped's (F, BW) pairs as one, each half's all-to-alls in flight
+    while the other computes (pairs.py; bit-identical to running them one after the other).
+    None: wherever there is an all-to-all to hide (hides_all_to_all)."""
     check_schedule_fits(schedule, model, tokens.shape[0])
     run = _Run(schedule, model, tokens, targets, layout, keep_outputs, track_memory, first_row)
     weight_grad.STORE.clear()
     if start_line:
         comm.barrier(comm.Group("world", range(model.grid.world_size)))
-    run.run(schedule.actions[model.grid.pp.rank], on_last_backward)
+    if overlap is None:
+        overlap = hides_all_to_all(model)
+    run.run(schedule.actions[model.grid.pp.rank], on_last_backward, overlap)
     if weight_grad.STORE.queues:
         left = sorted(weight_grad.STORE.queues, key=str)
         weight_grad.STORE.clear()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -221,9 +222,29 @@ def all_to_all(t: torch.Tensor, group: Group, output_split_sizes: list[int] | No
     out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
     leaving = (x.shape[0] - input_split_sizes[group.rank]) * row
     _count(group, "all_to_all", _nbytes(x), leaving)
-    _call("all_to_all", group, lambda: dist.all_to_all_single(
-        out, x, output_split_sizes, input_split_sizes, group=group.pg))
+    hook = getattr(_in_flight, "hook", None)
+    if hook is None:
+        _call("all_to_all", group, lambda: dist.all_to_all_single(
+            out, x, output_split_sizes, input_split_sizes, group=group.pg))
+    else:                     # started now; the hook returns once it has finished (see below)
+        work = _call("start all_to_all", group, lambda: dist.all_to_all_single(
+            out, x, output_split_sizes, input_split_sizes, group=group.pg, async_op=True))
+        hook("all_to_all", group, work, out)
     return out
+
+
+# A thread may install hook(op, group, work, out): all_to_all then starts its collective
+# asynchronously (async_op=True) and hands the work to the hook, which must return only once the
+# work has finished. DualPipeV's overlapped pairs (pipeline/overlap.py) let the other half of the
+# pair compute meanwhile. Per thread: every other thread's all-to-alls stay blocking.
+_in_flight = threading.local()
+
+
+def set_in_flight_hook(hook: Callable | None) -> Callable | None:
+    """Install `hook` for this thread's all_to_all calls (None: blocking); returns the previous one."""
+    previous = getattr(_in_flight, "hook", None)
+    _in_flight.hook = hook
+    return previous
 
 
 def broadcast(t: torch.Tensor, group: Group, src: int = 0) -> torch.Tensor:
