@@ -1,9 +1,16 @@
-"""python -m minitron.bench precision: the same short training run in float32, bf16 and FP8.
+"""python -m minitron.bench precision: the same short training run in float32, bf16 and FP8
+(per-tensor delayed and current scaling, blockwise 1x128 / 128x128 tiles, mxfp8 32-blocks).
 
 Every run goes through the one engine (train/engine.py TrainingRun) on one CPU rank, from the
 same initial weights (bf16-rounded, so every run starts from the same numbers), on the same
 batches of the shipped corpus (data/corpus.txt), with the same learning-rate schedule: only
-the precision differs (train.precision.resolve_precision). Writes the per-step losses to a CSV
+the precision differs (train.precision.resolve_precision). Then float32 again with its
+initial weights nudged by one float32 rounding (--nudges): the spread of those runs is the
+yardstick. A precision's gap that
+stays inside it is not a difference this small run can show: rounding in any precision sends
+the trajectory elsewhere, and a run's final loss wanders by about that much (the same command
+on another CPU's kernels, ATEN_CPU_CAPABILITY=default or avx2, moves the 16-bit and FP8 gaps
+by up to 0.02). Writes the per-step losses to a CSV
 (bench/results/precision_fp8.csv, headed by the date and the command) and the curves overlaid
 (lessons/figures/fp8_loss_curves.png), and prints the gap: each run's mean training loss
 over the last `--tail` steps and its held-out loss, against float32's.
@@ -33,8 +40,11 @@ from ..tensor_parallel.fp8 import E4M3, amax, dequantize, quantize, scale_from_a
 from ..tensor_parallel.fp8_blocks import quantize_blocks
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+# The fine-grained recipes at hidden 64: a 1x128 tile of an activation is its whole row (one
+# scale per token), a 128x128 weight block a 128-row band of the whole 64-wide matrix.
 RUNS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),
-        "fp8 delayed": ("fp8", "delayed"), "fp8 current": ("fp8", "current")}
+        "fp8 delayed": ("fp8", "delayed"), "fp8 current": ("fp8", "current"),
+        "fp8 blockwise": ("fp8", "blockwise"), "fp8 mxfp8": ("fp8", "mxfp8")}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--nudges", type=int, default=3,
+                   help="float32 runs with the initial weights nudged by one rounding (the yardstick)")
     p.add_argument("--tail", type=int, default=20, help="steps the final training loss is averaged over")
     p.add_argument("--csv", default=os.path.join(ROOT, "bench", "results", "precision_fp8.csv"))
     p.add_argument("--figure", default=os.path.join(ROOT, "lessons", "figures", "fp8_loss_curves.png"))
@@ -100,10 +112,14 @@ def train_all(args) -> dict[str, dict]:
     loader, held = data.Loader(train, args.batch, args.seq, 0), data.Loader(val, args.batch, args.seq, 1)
     mcfg = ModelConfig(vocab_size=data.VOCAB_SIZE, seq_len=args.seq, hidden=args.hidden,
                        n_layers=args.layers, n_heads=4)
-    out = {}
-    for name, (dtype_name, recipe) in RUNS.items():
+    def train(dtype_name, recipe, nudge=0):
         dtype, fp8 = resolve_precision(dtype_name, recipe)
         start = GPT(mcfg, seed=0).to(torch.bfloat16).float()     # the same numbers for every run
+        if nudge:          # every weight moved by about one bf16 rounding (relative 2^-9)
+            g = torch.Generator().manual_seed(nudge)
+            with torch.no_grad():
+                for p in start.parameters():
+                    p.mul_(1 + torch.randn(p.shape, generator=g) * 2.0 ** -9)
         run = TrainingRun(mcfg, ParallelConfig(), dtype=dtype, fp8=fp8, lr=args.lr, reference=start)
         losses = []
         for step in range(args.steps):
@@ -111,7 +127,12 @@ def train_all(args) -> dict[str, dict]:
                                      min_lr=args.lr / 10))
             losses.append(run.step(*loader.batch(step), step))
         held_out = sum(run.evaluate(*held.batch(k)) for k in range(4)) / 4
-        out[name] = {"loss": losses, "held_out": held_out}
+        return {"loss": losses, "held_out": held_out}
+
+    out = {name: train(dtype_name, recipe) for name, (dtype_name, recipe) in RUNS.items()}
+    # The yardstick: float32 itself, its initial weights nudged by one rounding: how far a
+    # perturbation of a float32 rounding's size alone carries the run (the spread a gap must exceed)
+    out.update({f"bfloat16 nudged {k}": train("bfloat16", None, k) for k in range(1, args.nudges + 1)})
     return out
 
 
@@ -133,10 +154,12 @@ def plot(path: str, results: dict, tail: int) -> None:
     fig, (full, end) = plt.subplots(1, 2, figsize=(11, 4))
     window = min(4 * tail, len(next(iter(results.values()))["loss"]))
     for name, r in results.items():
+        if " nudged " in name:
+            continue
         loss = r["loss"]
         full.plot(loss, label=name, lw=1)
         end.plot(range(len(loss) - window, len(loss)), loss[-window:], label=name, lw=1)
-    full.set(xlabel="step", ylabel="training loss", title="the same run in four precisions")
+    full.set(xlabel="step", ylabel="training loss", title="the same run in each precision")
     end.set(xlabel="step", title=f"the last {window} steps")
     full.legend()
     fig.tight_layout()
@@ -145,13 +168,21 @@ def plot(path: str, results: dict, tail: int) -> None:
 
 
 def gaps(results: dict, tail: int) -> list[str]:
+    """Each run's tail and held-out loss against float32's, then the spread of float32 itself
+    nudged by one rounding: a precision's gap inside that spread is not one this run can see."""
     base = results["float32"]
     ref_tail = sum(base["loss"][-tail:]) / tail
-    lines = [f"{'run':<12} {'train loss (last %d)' % tail:>22} {'vs float32':>11} {'held-out':>9} {'vs float32':>11}"]
+    lines = [f"{'run':<16} {'train loss (last %d)' % tail:>22} {'vs float32':>11} {'held-out':>9} {'vs float32':>11}"]
     for name, r in results.items():
         t = sum(r["loss"][-tail:]) / tail
-        lines.append(f"{name:<12} {t:22.4f} {t - ref_tail:+11.4f} {r['held_out']:9.4f} "
+        lines.append(f"{name:<16} {t:22.4f} {t - ref_tail:+11.4f} {r['held_out']:9.4f} "
                      f"{r['held_out'] - base['held_out']:+11.4f}")
+    seeds = [r for n, r in results.items() if n.startswith("bfloat16")]
+    if len(seeds) > 1:
+        tails = [sum(r["loss"][-tail:]) / tail for r in seeds]
+        held = [r["held_out"] for r in seeds]
+        lines.append(f"bfloat16 and {len(seeds) - 1} nudged copies: train loss spread (max - min) "
+                     f"{max(tails) - min(tails):.4f}, held-out {max(held) - min(held):.4f}")
     return lines
 
 
