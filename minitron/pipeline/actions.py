@@ -16,7 +16,9 @@ Actions. Compute actions name a micro-batch and a stage:
   BW  a full backward: B and W at once (GPipe, 1F1B, interleaved 1F1B)
 An F directly followed by a BW of another micro-batch may be marked *overlapped*
 (Schedule.overlapped, DualPipeV): one unit of work whose two halves hide each other's
-communication on a GPU; the CPU executor runs them one after the other, like torch's runtime.
+communication: the executor runs the halves as two threads taking turns (pairs.py), one
+computing while the other's MoE all-to-all is in flight. Their two Events overlap in time, so a
+Timeline's busy time counts that span twice.
 Messages between ranks are actions too; `stage` is the stage *on this rank* that produces
 or consumes the tensor, `peer` the pipeline rank at the other end:
   SEND_F  stage s's output, to the rank of stage s+1       RECV_F  stage s's input, from s-1's rank

@@ -26,8 +26,9 @@ and again in each B or BW; W sends nothing) is time the rank waits unless someth
 With overlap=True an overlapped pair of Schedule.overlapped (DualPipeV's F of one micro-batch
 with the BW of another) costs max(compute of both, communication of both) instead of their
 sum: each one's compute runs while the other's all-to-all is in flight, as DeepSeek's kernels
-do on a GPU (communication on its own SMs). The CPU executor cannot: gloo's collectives block
-the one thread that also computes, so it runs the pair one half after the other.
+do on a GPU (communication on its own SMs). The executor does it with two threads taking turns
+(pairs.py): one half computes while gloo's threads carry the other's all-to-all (the pipeline's
+send/recv are not overlapped).
 """
 from __future__ import annotations
 
