@@ -235,7 +235,7 @@ def all_to_all(t: torch.Tensor, group: Group, output_split_sizes: list[int] | No
 
 # A thread may install hook(op, group, work, out): all_to_all then starts its collective
 # asynchronously (async_op=True) and hands the work to the hook, which must return only once the
-# work has finished. DualPipeV's overlapped pairs (pipeline/overlap.py) let the other half of the
+# work has finished. DualPipeV's overlapped pairs (pipeline/pairs.py) let the other half of the
 # pair compute meanwhile. Per thread: every other thread's all-to-alls stay blocking.
 _in_flight = threading.local()
 
