@@ -11,11 +11,13 @@ DIMS = ("tp", "cp", "ep", "dp", "pp")   # fastest first, as minitron/grid/ lays 
 
 
 def gemm_seconds(m: int, n: int, k: int, gpu: GPU, batch: int = 1, tile: int = 128) -> float:
-    """One (batched) 16-bit GEMM [m, k] x [k, n]: roofline with wave quantization."""
+    """One (batched) 16-bit GEMM [m, k] x [k, n]: roofline with wave quantization, at the
+    sustained matmul rate (the best burst's efficiency times hardware.GPU.sustained: a training
+    step runs at the power-limited clock, not the boost clock of a short benchmark)."""
     tiles = batch * math.ceil(m / tile) * math.ceil(n / tile)
     waves = math.ceil(tiles / gpu.sms)
     fill = tiles / (waves * gpu.sms)
-    compute = 2 * batch * m * n * k / (gpu.peak_flops * gpu.matmul_eff * fill)
+    compute = 2 * batch * m * n * k / (gpu.peak_flops * gpu.matmul_eff * gpu.sustained * fill)
     memory = 2 * batch * (m * k + k * n + m * n) / (gpu.hbm_bw * gpu.hbm_eff)
     return max(compute, memory)
 

@@ -17,6 +17,7 @@ import sys
 from ..config import ModelConfig
 from ..hardware import GIB, GPUS, gpu as named_gpu
 from .memory import PRESETS, preset
+from . import published
 from .plan import RECOMPUTES, best_per_split, evaluate, memory, plan, zero3_units
 from .shape import Shape, expert_ffn, shared_experts
 from .time_model import SOFTWARE, Cluster, Parallel
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 raise ValueError(f"--explain {args.explain}: {e}") from None
             print(text)
+            print(published.accuracy_line())
             return 0
         options = plan(cfg, args.gpus, cluster, batch, seq, args.software)
     except ValueError as e:
@@ -229,5 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         kind = "did not fit" if o.time is None else o.reason.split(" (")[0].split(" s ")[-1]
         counts[kind] = counts.get(kind, 0) + 1
     print("all losers by reason: " + "; ".join(f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+    print(published.accuracy_line())
     return 0
 

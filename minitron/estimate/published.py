@@ -4,7 +4,8 @@ The rule: every run is modelled with the software of its date (software.py: mega
 -2021, -2022), with the settings its paper or its released launch script states, and what
 neither states takes the software's default. Nothing is chosen per table, and nothing is
 fitted: every constant of the time model is a data sheet or a microbenchmark
-(minitron/hardware.py).
+(minitron/hardware.py; the matmul rate is the best burst's, times the sustained/burst ratio
+measured at the power limit).
 
   Narayanan et al. 2021, Table 1 (heads, hidden, layers, TP, PP, GPUs, global batch ->
       achieved TFLOP/s per GPU, end to end), megatron-2021. The micro-batch sizes, the
@@ -199,6 +200,17 @@ def summary(rows: list[Row]) -> str:
     mean, worst = mean_worst(rows)
     lines.append(f"{rows[0].unit}: mean |error| {100 * mean:.1f}%, worst {100 * worst:.1f}%")
     return "\n".join(lines)
+
+
+def accuracy_line() -> str:
+    """One line for the planner's output: how far its time model is from every published run."""
+    tables = all_rows()
+    every = [r for rows in tables.values() for r in rows]
+    mean, worst = mean_worst(every)
+    far = max(every, key=lambda r: abs(r.error))
+    return (f"every figure above is a PREDICTION; against {len(every)} published runs the time model "
+            f"is off by {100 * mean:.1f}% on average, {100 * worst:.1f}% at worst ({far.name.split(' (')[0]}); "
+            "python -c 'from minitron.estimate import published; print(published.report())' lists them")
 
 
 def report() -> str:

@@ -62,6 +62,8 @@ class Software:
     fp32_main_grads: bool = False       # gradients kept in fp32 (memory)
     schedules: tuple = ("1f1b", "interleaved")
     uneven_stages: bool = False         # first/last stage with fewer layers (1F1B only)
+    pp_scatter_gather: bool = False     # PP messages sent 1/tp each, all-gathered over TP on arrival
+    megatron_optimizer: bool = True     # Megatron's mixed-precision step (time_model.py), not a plain Adam
 
     def refusal(self, par) -> str:
         """Why `par` uses a feature this software does not have ('' when it does not)."""
@@ -85,9 +87,10 @@ SOFTWARE = {s.name: s for s in (
     Software("megatron-2019", "Shoeybi et al. 2019, §3, §5", pipeline=False, interleaving=False,
              schedules=("1f1b",)),
     Software("megatron-2021", "Narayanan et al. 2021, §2.2.2, §3.5, §4.1, §5; examples/sc21",
-             overlap_dp=True),             # torch's DDP without a pipeline (run_table_1.sh: DDP=torch)
+             overlap_dp=True, pp_scatter_gather=True),             # torch's DDP without a pipeline (run_table_1.sh: DDP=torch)
     Software("megatron-2022", "Korthikanti et al. 2022, §4.2.2, §5", sequence_parallel=True,
-             recomputes=RECOMPUTES, accumulation_fusion=True, async_tp_backward=True, overlap_dp=True),
+             recomputes=RECOMPUTES, accumulation_fusion=True, async_tp_backward=True, overlap_dp=True,
+             pp_scatter_gather=True),
     Software("megatron-core", "Megatron-Core (NVIDIA/Megatron-LM, core_v0.x)", sequence_parallel=True,
              recomputes=RECOMPUTES, context_parallel=True, zeros=(0, 1, 3), accumulation_fusion=True,
              overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, async_tp_backward=True,
@@ -95,6 +98,7 @@ SOFTWARE = {s.name: s for s in (
              grad_reduce_bytes=4, fp32_main_grads=True, uneven_stages=True),
     Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
              context_parallel=True, zeros=(0, 1, 2, 3), accumulation_fusion=True, overlap_dp=True,
+             megatron_optimizer=False,
              schedules=("1f1b", "interleaved", "zb-h1", "gpipe")),
 )}
 

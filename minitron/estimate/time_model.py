@@ -34,7 +34,9 @@ Per step:
               ones (Llama 3, Dubey et al. 2024, §3.3.2: one layer fewer on each, to balance the
               embedding and the output layer); the slowest stage sets the step
   PP          each micro-batch's activation and gradient cross each stage boundary (v times
-              per rank with interleaving), split over tp (Megatron's scatter-gather), exposed
+              per rank with interleaving), exposed: split over tp under SP; without SP,
+              Megatron 2021-22's scatter/gather sends 1/tp and all-gathers it over the TP group
+              on arrival; later software (and minitron) sends the whole activation
   DP          the gradients (2 bytes each) reduce-scattered and all-gathered (an all-reduce's
               bytes), once per step, over dp x cp x ep ranks for the dense weights (every rank
               that holds the same dense shard) and dp x cp for the experts. ZeRO-3 (FSDP)
@@ -42,7 +44,14 @@ Per step:
               before its backward and reduce-scatters its gradients: 3 collectives per
               micro-batch, each overlapped with that micro-batch's compute when the software
               overlaps DP. Otherwise overlapped (if at all) with the last micro-batch's backward.
-  optimizer   Adam over the rank's fp32 master shard: 28 bytes per parameter at HBM speed.
+  optimizer   Megatron's mixed-precision step over the rank's fp32 master shard, at HBM speed
+              (megatron/optimizer/optimizer.py, step()): the 16-bit gradients copied into fp32
+              main grads (read 2, write 4; not where the gradients are accumulated in fp32
+              already), unscaled and checked for inf (read 4, write 4), their norm for clipping
+              (read 4), Adam (read parameter, m, v, gradient: 16; write parameter, m, v: 12), the
+              parameters copied back to 16 bits (read 4, write 2): 52 bytes per parameter, 46
+              with fp32 main grads. minitron's engine steps torch's AdamW on its parameters:
+              Adam's 28 bytes alone.
   grad accumulation  without Megatron's gradient-accumulation fusion (the weight-gradient GEMM
               adding into the fp32 main grad, 2022), each micro-batch's 16-bit weight gradient
               is added to it afterwards: 10 bytes per parameter per micro-batch at HBM speed.
@@ -75,7 +84,9 @@ from .shape import expert_ffn, mlp_matrices, shared_experts
 from .software import SOFTWARE, Software, software as named_software
 
 SCHEDULE_BUBBLE = {"1f1b": 1.0, "gpipe": 1.0, "interleaved": 1.0, "zb-h1": 1 / 3}
-ADAM_BYTES = 28            # read+write fp32 master, m, v (24), read the grad, write the 16-bit copy
+ADAM_BYTES = 16 + 12                             # read parameter, m, v, gradient; write parameter, m, v
+OPTIMIZER_BYTES = 4 + 4 + 4 + ADAM_BYTES + 4 + 2  # unscale+inf check, norm, Adam, copy back (docstring)
+GRAD_TO_FP32_BYTES = 2 + 4                       # the 16-bit gradient copied into the fp32 main grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +266,20 @@ def _dp_seconds(cfg, par, cluster, sw, m, compute_mb) -> float:
     return sync
 
 
+def _pp_exchange_seconds(cfg, par, cluster, sw, seq) -> float:
+    """One activation (or its gradient) across a stage boundary, exposed. Under SP it is already
+    split over tp; without SP, Megatron's scatter/gather (megatron/p2p_communication.py, 2021-22)
+    sends 1/tp of it and all-gathers it over the TP group on arrival (gather_split_1d_tensor, on
+    the critical path); without that optimisation every TP rank sends the whole activation."""
+    full = 2 * par.micro_batch * seq // par.cp * cfg.hidden
+    split = par.sp or sw.pp_scatter_gather
+    bw, lat = link("pp", par, cluster, point_to_point=True)
+    send = (full / par.tp if split else full) / bw + lat
+    if sw.pp_scatter_gather and not par.sp:
+        send += ring_seconds(full, par.tp, link("tp", par, cluster), phases=1)
+    return send
+
+
 def step_time(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: int,
               seq: int | None = None, software: str = "minitron") -> Breakdown:
     """The predicted step, by term (see the module docstring), under the named software."""
@@ -285,16 +310,16 @@ def step_time(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: i
 
     stage = sum(per_stage.values())
     terms["bubble"] = SCHEDULE_BUBBLE[par.schedule] * (par.pp - 1) / par.virtual * stage
-    terms["PP send/recv"] = 0.0
-    if par.pp > 1:
-        msg = 2 * par.micro_batch * seq // par.cp * cfg.hidden / par.tp
-        bw, lat = link("pp", par, cluster, point_to_point=True)
-        terms["PP send/recv"] = m * par.virtual * 2 * (msg / bw + lat)
+    exchange = _pp_exchange_seconds(cfg, par, cluster, sw, seq) if par.pp > 1 else 0.0
+    terms["PP send/recv"] = m * par.virtual * 2 * exchange
     psi = dense_params_per_rank(cfg, par)
     terms["DP comm"] = _dp_seconds(cfg, par, cluster, sw, m, busiest["compute"])
     terms["grad accumulation"] = 0.0 if sw.accumulation_fusion else m * 10 * psi / (g.hbm_bw * g.hbm_eff)
     shard = par.dp * par.cp if par.zero >= 1 else 1
-    terms["optimizer"] = ADAM_BYTES * psi / shard / (g.hbm_bw * g.hbm_eff)
+    per_param = ADAM_BYTES
+    if sw.megatron_optimizer:
+        per_param = OPTIMIZER_BYTES + (0 if sw.accumulation_fusion else GRAD_TO_FP32_BYTES)
+    terms["optimizer"] = per_param * psi / shard / (g.hbm_bw * g.hbm_eff)
 
     flops = iteration_flops(cfg, global_batch, seq, par.recompute)
     model_flops = iteration_flops(cfg, global_batch, seq, "none")
