@@ -190,9 +190,10 @@ def test_bench_precision_writes_its_csv_and_figure(tmp_path):
                 "--csv", str(csv), "--figure", str(png)]) == 0
     lines = csv.read_text().splitlines()
     assert lines[0].startswith("# date: ") and lines[1].startswith("# command: python -m minitron.bench precision")
-    assert lines[3] == "step,float32,bfloat16,fp8_delayed,fp8_current" and len(lines) == 4 + 3
+    assert lines[3] == ("step,float32,bfloat16,fp8_delayed,fp8_current,fp8_blockwise,fp8_mxfp8,"
+                        "bfloat16_nudged_1,bfloat16_nudged_2,bfloat16_nudged_3") and len(lines) == 4 + 3
     first = [float(v) for v in lines[4].split(",")[1:]]
-    assert max(first) - min(first) < 0.02 * first[0]     # one start, four precisions
+    assert max(first) - min(first) < 0.02 * first[0]     # one start, every precision and nudge
     assert png.stat().st_size > 0
 
 
