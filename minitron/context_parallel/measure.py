@@ -7,7 +7,10 @@ Two memory measures, both on any device (no CUDA allocator statistics needed):
   PeakBytes     the most bytes alive at once of every tensor created inside the block
                 (forward and backward, temporaries and messages included): a dispatch mode
                 sees each operation's outputs, and liveness is read from weak references
-                (a storage is alive while any tensor viewing it is).
+                (a storage is alive while any tensor viewing it is). Over gloo the peak can
+                exceed the algorithm's by one message: the worker thread lets go of a
+                collective's tensors a moment after the call returns, and Python keeps a
+                tensor that C++ still holds. The smallest of a few calls is the algorithm's.
 
 Traffic comes from minitron.runtime.comm's counters (comm.counting()).
 """
