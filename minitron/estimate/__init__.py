@@ -5,7 +5,11 @@ software.py     the software a run used, as a named set of features the planner 
 activations.py  one layer's saved activation bytes per rank, term by term (Korthikanti et al.)
 memory.py       one rank's memory in a training step by component
 flops.py        FLOPs of one iteration, tokens/s, MFU
-time_model.py   one step's time, term by term (compute, bubble, TP, PP, DP, ...)
+time_model.py   one step's time, term by term (compute, bubble, TP, PP, DP, ...), summed from
+  parallel.py       what it is given: the split (Parallel) and the cluster (Cluster)
+  layer_time.py     one layer's compute, memory-bound kernels and TP/CP/EP collectives
+  pipeline_time.py  the bubble and the stage-boundary sends
+  optimizer_time.py the DP reduction, the gradient accumulation and the optimizer step
 published.py    published runs, and the time model's prediction for each
 plan.py         every configuration that fits, ranked
 

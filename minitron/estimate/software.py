@@ -63,7 +63,7 @@ class Software:
     schedules: tuple = ("1f1b", "interleaved")
     uneven_stages: bool = False         # first/last stage with fewer layers (1F1B only)
     pp_scatter_gather: bool = False     # PP messages sent 1/tp each, all-gathered over TP on arrival
-    megatron_optimizer: bool = True     # Megatron's mixed-precision step (time_model.py), not a plain Adam
+    megatron_optimizer: bool = True     # Megatron's mixed-precision step (optimizer_time.py), not a plain Adam
 
     def refusal(self, par) -> str:
         """Why `par` uses a feature this software does not have ('' when it does not)."""
