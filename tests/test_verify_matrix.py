@@ -22,7 +22,7 @@ def test_every_feature_has_a_row_composed_with_other_dimensions():
     labels = " | ".join(c.label() for c in features)
     for name in ("hsdp", "hierarchical a2a2", "tp-overlap", "fp8-delayed", "fp8-current", "dualpipev",
                  "recompute-full", "recompute-selective", "kernels", "fp8-blockwise", "fp8-mxfp8",
-                 "moe fp8-current", "aux-free", "max-nodes 1"):
+                 "moe fp8-current", "aux-free", "max-nodes 1", "ep2 dualpipev moe"):
         assert name in labels, (name, labels)
     # each with at least two dimensions split, on at most 8 ranks
     assert all(sum(v > 1 for v in c.sizes.values()) >= 2 and c.world <= 8 for c in features)

@@ -16,6 +16,11 @@ def overlap(argv: list[str]) -> int:
     return run(argv)
 
 
+def dualpipev(argv: list[str]) -> int:
+    from .dualpipev import run
+    return run(argv)
+
+
 def peers(argv: list[str]) -> int:
     from .peers import run
     return run(argv)
@@ -46,7 +51,7 @@ def gpu(argv: list[str]) -> int:
 
 
 COMMANDS = {"overhead": overhead, "overlap": overlap, "peers": peers, "kernels": kernels,
-            "precision": precision, "scaling": scaling, "gpu": gpu}
+            "precision": precision, "scaling": scaling, "gpu": gpu, "dualpipev": dualpipev}
 
 
 def main(argv: list[str] | None = None) -> int:

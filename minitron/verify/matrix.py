@@ -14,10 +14,11 @@ After the grid's rows come the features, each composed with other dimensions (FE
 sharding (--dp-shard) under tp2+SP x pp2, hierarchical context parallelism (Ulysses in pairs, a
 ring across) with dp, overlapped TP under pp and dp, FP8 with both recipes (delayed under pp2 x
 dp2, current under tp2+SP x cp2), the fine-grained FP8 recipes (blockwise under tp2+SP x dp2,
-MXFP8 under pp2 x dp2), FP8 experts (ep2 x dp2), DualPipeV under tp2+SP, full and selective
-recomputation, the fused kernels (Triton's interpreter on CPU ranks) under tp2+SP x dp2,
-aux-loss-free balancing (ep2 x dp2) and node-limited routing (ep2 x pp2, each token's experts
-on one of the two ep ranks).
+MXFP8 under pp2 x dp2), FP8 experts (ep2 x dp2), DualPipeV under tp2+SP and with experts under
+ep2 (its overlapped (F, BW) pairs hiding the all-to-all, pipeline/pairs.py), full and selective
+recomputation, the fused kernels (Triton's interpreter on CPU ranks) under tp2+SP x dp2, aux-
+loss-free balancing (ep2 x dp2) and node-limited routing (ep2 x pp2, each token's experts on
+one of the two ep ranks).
 
 The model is the matrix's own (vocab 128, seq 16, hidden 64, 4 layers, 4 heads) unless the
 model options say otherwise (`--vocab 1002 --hidden 200 --heads 8 --kv-heads 2 --seq 24`); the
@@ -134,6 +135,7 @@ FEATURES = [
     (_sizes(pp=2, dp=2), "1f1b", 1, "ring", BF16, {"fp8": "delayed"}),
     (_sizes(tp=2, cp=2), None, None, "ring", BF16, {"fp8": "current"}),
     (_sizes(tp=2, pp=2), "dualpipev", None, "ring", FP32, {}),
+    (_sizes(pp=2, ep=2), "dualpipev", None, "ring", FP32, {}),     # experts, overlapped pairs
     (_sizes(tp=2, pp=2), "1f1b", None, "ring", FP32, {"recompute": "full"}),
     (_sizes(dp=2, pp=2), "1f1b", 3, "ring", BF16, {"recompute": "selective"}),
     (_sizes(tp=2, dp=2), None, 1, "ring", FP32, {"use_kernels": True}),
