@@ -18,7 +18,12 @@ With F = 1, B = W = 1 (so BW = 2), no latency, p ranks and m micro-batches, one 
                   what is left is the start-up skew: (p-1)F per rank (ZB-H2), (p-1)F/2 (ZB-V)
   DualPipeV       idle per rank (p-1)(F+B+W)/3 at F=B=W: DeepSeek-V3's Table 2 bubble
                   (PP/2-1)(F&B+B-3W) with PP = 2p chunk-stages, B a full backward and the pair
-                  F&B = F+B run one after the other (overlap=False); peak p+1/2 (PP+1 chunks)
+                  F&B = F+B run one after the other (overlap=False); peak p+1/2 (PP+1 chunks).
+                  With an input gradient B slower than F (W <= B) it idles floor((p-1)/2)(B-F)
+                  more (per-chunk times): the makespan
+                  is the longest chain of dependent actions (critical_path), the formula counts
+                  one chain's mix of F, B, W, and the fixed order, written for equal times, has
+                  a chain with floor((p-1)/2) B's in place of F's (tests/test_dualpipev_bubble.py)
 Timeline.bubble_fraction and .bubble_ratio give the first two; Timeline's events draw it.
 
 Communication inside a stage (Costs.comm: the MoE all-to-all, dispatch and combine, in each F
@@ -146,3 +151,39 @@ def gaps_per_rank(timeline: Timeline) -> dict[int, object]:
         mine = [e for e in timeline.events if e.rank == r]
         gaps[r] = max(e.end for e in mine) - min(e.start for e in mine) - timeline.busy(r)
     return gaps
+
+
+def critical_path(schedule: Schedule, timeline: Timeline) -> list[Event]:
+    """The chain of events that sets the makespan of `schedule`'s simulated `timeline`, first to
+    last: from the event that ends last, step back to what it waited for, an event that ends
+    exactly when it starts: the producer of a tensor it received in the message batch just
+    before it (F(mb, s) for RECV_F(mb, s+1), B or BW(mb, s) for RECV_B(mb, s-1)), else the
+    rank's previous event. Its durations sum to the makespan: no idle on it. Where two chains
+    tie, the message's producer is taken."""
+    done = {(e.kind, e.microbatch, e.stage): e for e in timeline.events}
+    received: dict[tuple, list[Event]] = {}          # (rank, compute action) -> producers
+    for r, acts in schedule.actions.items():
+        batch: list[Action] = []
+        for a in acts:
+            if a.is_message:
+                batch.append(a)
+                continue
+            keys = [(F, m.microbatch, m.stage - 1) if m.kind == "RECV_F" else (k, m.microbatch, m.stage + 1)
+                    for m in batch if m.kind.startswith("RECV") for k in ((F,) if m.kind == "RECV_F" else (B, BW))]
+            received[(r, a.kind, a.microbatch, a.stage)] = [done[k] for k in keys if k in done]
+            batch = []
+    by_rank: dict[int, list[Event]] = {}
+    for e in sorted(timeline.events, key=lambda e: (e.rank, e.start)):
+        by_rank.setdefault(e.rank, []).append(e)
+    previous = {id(b): a for events in by_rank.values() for a, b in zip(events, events[1:])}
+    path = [max(timeline.events, key=lambda e: e.end)]
+    while path[-1].start > min(e.start for e in timeline.events):
+        e = path[-1]
+        before = [d for d in received.get((e.rank, e.kind, e.microbatch, e.stage), [])
+                  if d.end == e.start]
+        if not before and id(e) in previous and previous[id(e)].end == e.start:
+            before = [previous[id(e)]]
+        if not before:
+            raise RuntimeError(f"critical_path: nothing ends when {e} starts (latency > 0?)")
+        path.append(before[0])
+    return path[::-1]
