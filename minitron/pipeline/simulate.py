@@ -20,10 +20,10 @@ With F = 1, B = W = 1 (so BW = 2), no latency, p ranks and m micro-batches, one 
                   (PP/2-1)(F&B+B-3W) with PP = 2p chunk-stages, B a full backward and the pair
                   F&B = F+B run one after the other (overlap=False); peak p+1/2 (PP+1 chunks).
                   With an input gradient B slower than F (W <= B) it idles floor((p-1)/2)(B-F)
-                  more (per-chunk times): the makespan
-                  is the longest chain of dependent actions (critical_path), the formula counts
-                  one chain's mix of F, B, W, and the fixed order, written for equal times, has
-                  a chain with floor((p-1)/2) B's in place of F's (tests/test_dualpipev_bubble.py)
+                  more (per-chunk times): the makespan is the longest chain of dependent actions
+                  (critical_path), the formula counts one chain's mix of F, B and W, and the
+                  fixed order, written for equal times, has a chain with floor((p-1)/2) B's in
+                  place of F's (tests/test_dualpipev_bubble.py)
 Timeline.bubble_fraction and .bubble_ratio give the first two; Timeline's events draw it.
 
 Communication inside a stage (Costs.comm: the MoE all-to-all, dispatch and combine, in each F
