@@ -32,8 +32,9 @@ def draw_segments(segments: dict[int, list], pp: int, ax, title: str):
     return ax
 
 
-def plot(summary: dict, pp: int, path: str) -> None:
-    """The simulator's overlapped timeline (fitted costs, ms) above the two measured ones."""
+def plot(summary: dict, pp: int, path: str | None = None):
+    """The simulator's overlapped timeline (fitted costs, ms) above the two measured ones;
+    saved into `path` (and closed), else the Figure returned."""
     import matplotlib.pyplot as plt
     from ..pipeline.plot import draw_timeline
 
@@ -53,8 +54,11 @@ def plot(summary: dict, pp: int, path: str) -> None:
     axes[0].set_xlim(0, longest)
     axes[0].set_xlabel("")
     fig.tight_layout()
+    if path is None:
+        return fig
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return None
 
 
 def write_csv(path: str, measured: dict, summary: dict, command: str) -> None:
