@@ -8,7 +8,7 @@ import re
 import pytest
 
 from minitron.bench import cli as bench_cli
-from minitron.bench import dualpipev as bench
+from minitron.bench import dualpipev_timeline as bench
 
 # One rank's recorded segments (seconds): the F's first all-to-all is in flight 2-6 while the BW
 # computes 2-4 and its W-like tail 3-5 (overlapping: union 2-5, 3 s inside); the F's own compute

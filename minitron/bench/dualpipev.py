@@ -20,12 +20,14 @@ that measured timeline:
 On gloo an all-to-all's time is mostly the wait for the slower ep rank to arrive, and gloo's
 threads need a core that the ranks' compute already holds: on a loaded 2-core machine the
 shares are low and noisy. NCCL on GPUs moves the bytes on their own engines.
+
+The figures of a timeline are in dualpipev_timeline.py, the drawing and the CSV in
+dualpipev_output.py.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import time
 
@@ -35,61 +37,13 @@ from ..config import ModelConfig
 from ..grid import ParallelConfig, build_grid
 from ..model.stages import PipelineGPT
 from ..pipeline import make_schedule, pairs
-from ..pipeline.actions import Event, Timeline
 from ..pipeline.executor import run_schedule
-from ..pipeline.simulate import Costs, simulate
+from ..pipeline.simulate import simulate
 from ..runtime import comm
 from ..runtime.launch import launch
+from .dualpipev_timeline import _ms, fitted_costs, hidden_share, simulated_hidden
 
 SHAPE = dict(vocab_size=64, seq_len=16, hidden=64, n_layers=4, n_heads=4, dropout=0.0, topk=2)
-_LABEL = re.compile(r"^(BW|F|B|W)(\d+)@s(\d+)$")
-
-
-# ---- the figures of one measured timeline (pure: tests/test_bench_dualpipev.py) ----------------
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Overlapping spans merged, so that no instant is counted twice."""
-    merged: list[list[float]] = []
-    for s, e in sorted(spans):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
-
-
-def _inside(s: float, e: float, spans) -> float:
-    return sum(max(0.0, min(e, hi) - max(s, lo)) for lo, hi in spans)
-
-
-def hidden_share(segments: list[tuple[str, str, float, float]]) -> dict:
-    """One rank's recorded segments -> all-to-all seconds in flight, how many of them inside
-    another action's compute, and their share."""
-    comm_s = inside = 0.0
-    for kind, label, s, e in segments:
-        if kind != "all_to_all":
-            continue
-        others = _union([(cs, ce) for k, lab, cs, ce in segments if k == "compute" and lab != label])
-        comm_s += e - s
-        inside += _inside(s, e, others)
-    return {"comm": comm_s, "inside": inside, "exposed": comm_s - inside,
-            "hidden": inside / comm_s if comm_s else 0.0}
-
-
-def fitted_costs(segments: list[tuple[str, str, float, float]]) -> Costs:
-    """Per-stage Costs (a rank holds 2 chunks: an action costs half) from a run without overlap:
-    each kind's median compute per action, and the median all-to-all time per F / B / BW."""
-    compute: dict[str, float] = {}
-    comm_s: dict[str, float] = {}
-    for kind, label, s, e in segments:
-        (comm_s if kind == "all_to_all" else compute)[label] = \
-            (comm_s if kind == "all_to_all" else compute).get(label, 0.0) + e - s
-    by_kind = lambda k: [t for lab, t in compute.items() if _LABEL.match(lab)[1] == k]
-    med = lambda xs: statistics.median(xs) if xs else None
-    f, bw, b, w = (med(by_kind(k)) for k in ("F", "BW", "B", "W"))
-    w = w if w is not None else bw / 2
-    b = (bw - w) if bw is not None else b
-    a2a = med([t for lab, t in comm_s.items() if _LABEL.match(lab)[1] != "W"]) or 0.0
-    return Costs(F=2 * f, B=2 * max(b, 0.0), W=2 * w, comm=2 * a2a)
 
 
 # ---- the measurement ------------------------------------------------------------------------
@@ -148,36 +102,7 @@ def median_step(steps: list[dict], overlap: bool) -> dict:
     return mine[len(mine) // 2]
 
 
-def measured_timeline(step: dict, ep_rank: int = 0) -> tuple[Timeline, dict[int, list]]:
-    """One step as seen by ep rank `ep_rank` of every pipeline rank, in seconds from the step's
-    first start: the executor's events (a Timeline) and each pipeline rank's recorded segments."""
-    t0 = min(r["span"][0] for r in step["ranks"])
-    mine = [r for r in step["ranks"] if r["ep"] == ep_rank]
-    events = [Event(e.rank, e.kind, e.microbatch, e.stage, e.start - t0, e.end - t0)
-              for r in mine for e in r["events"]]
-    segments = {r["pp"]: [(k, lab, a - t0, b - t0) for k, lab, a, b in r["segments"]] for r in mine}
-    return Timeline("dualpipev", len(mine), events), segments
-
-
-def simulated_hidden(schedule, costs: Costs) -> float:
-    """The simulator's share of the all-to-all hidden: each pair hides min(compute, comm) of
-    the two halves together (simulate.py's max), over all the rank's all-to-all time."""
-    hidden = total = 0.0
-    for r, acts in schedule.actions.items():
-        for a in acts:
-            if not a.is_message:
-                total += float(costs.parts(a.kind, 2)[1])
-        for f, bw in schedule.overlapped.get(r, ()):
-            (cf, nf), (cb, nb) = costs.parts(f.kind, 2), costs.parts(bw.kind, 2)
-            hidden += float(min(cf + cb, nf + nb))
-    return hidden / total if total else 0.0
-
-
 # ---- the report -----------------------------------------------------------------------------
-def _ms(segments: list) -> list:
-    return [(k, lab, 1e3 * a, 1e3 * b) for k, lab, a, b in segments]
-
-
 def summarize(measured: dict) -> dict:
     """The headline figures: medians over the rounds, and the simulator's with fitted costs."""
     steps, schedule = measured["steps"], measured["schedule"]

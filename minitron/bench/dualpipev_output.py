@@ -5,7 +5,7 @@ import csv
 import datetime
 import os
 
-from .dualpipev import _LABEL, _ms, measured_timeline
+from .dualpipev_timeline import _LABEL, _ms, measured_timeline
 
 
 def draw_segments(segments: dict[int, list], pp: int, ax, title: str):
