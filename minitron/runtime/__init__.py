@@ -9,7 +9,9 @@ pool.py         WorkerPool: ranks kept alive across launches (many small jobs: t
 deadline.py     the watchdog that tells a hang from a long computation
 rank_output.py  what ranks print, echoed in rank order; their stderr kept for a failure
 comm.py         every collective and send/recv, counted in calls and bytes (the only door to
-                torch.distributed)
+                torch.distributed); collectives here, re-exporting the two below
+comm_core.py      Group, CommError, and the one wrapper every call goes through (count, name)
+comm_p2p.py       send, recv and exchange (point to point)
 comm_async.py   the same collectives started now and waited for later (overlap)
 counting.py     the counters behind comm.counting()
 """

@@ -1,4 +1,8 @@
-"""Every message minitron sends goes through this file, so every byte can be counted.
+"""Every message minitron sends goes through this module, so every byte can be counted.
+
+This file holds the collectives; the wrapper they share (counting, naming a failure) is in
+comm_core.py and point-to-point (send, recv, exchange) in comm_p2p.py. Both are re-exported
+here: `comm.send`, `comm.Group`, `comm.CommError` work as they always have.
 
 Each wrapper does three things around the torch.distributed call:
   1. records (group, operation) -> calls, payload bytes and the bytes a ring algorithm
@@ -21,99 +25,21 @@ Payload S (bytes) and the per-rank wire bytes of the ring algorithms on n ranks:
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import threading
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .comm_core import (CommError, Group, _call, _count, _in_place, _nbytes,  # noqa: F401
+                        set_status_hook, single_group)
+from .comm_p2p import P2P, exchange, recv, send  # noqa: F401 (re-exported: comm.send)
 from .counting import TOTAL, CommCounter, Record, _active, counting  # noqa: F401 (comm.counting())
 
 # Every process group gets this timeout (the launcher sets it): a collective that a peer
 # never joins raises after it instead of hanging. torch's own default for new groups is 30 min.
 TIMEOUT = datetime.timedelta(seconds=120)
-
-
-class CommError(RuntimeError):
-    """A collective or point-to-point operation failed (timeout, dead peer, mismatch)."""
-
-
-class Group:
-    """A process group together with the global ranks it contains, in order."""
-
-    def __init__(self, name: str, ranks: Sequence[int], pg=None):
-        self.name = name
-        self.ranks = tuple(int(r) for r in ranks)
-        self.pg = pg  # the torch ProcessGroup; None when size == 1
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        """This process's index inside the group."""
-        me = dist.get_rank() if dist.is_initialized() else 0
-        if me not in self.ranks:
-            raise ValueError(f"rank {me} is not in group {self.name!r} {list(self.ranks)}: "
-                             "only its members may ask for their place in it")
-        return self.ranks.index(me)
-
-    def global_rank(self, group_rank: int) -> int:
-        return self.ranks[group_rank]
-
-    def __repr__(self) -> str:
-        return f"Group({self.name!r}, ranks={list(self.ranks)})"
-
-
-def single_group(name: str = "self") -> Group:
-    """A group of one process: every operation on it is free."""
-    me = dist.get_rank() if dist.is_initialized() else 0
-    return Group(name, [me])
-
-
-def _count(group: Group, op: str, payload: int, wire: float) -> None:
-    for counter in _active:
-        counter.add(group.name, op, payload, wire)
-
-
-# The launcher installs a hook that publishes "rank r is in <op> on <group>" to the parent.
-_status_hook: Callable[[str], None] | None = None
-
-
-def set_status_hook(hook: Callable[[str], None] | None) -> None:
-    global _status_hook
-    _status_hook = hook
-
-
-def _call(op: str, group: Group, fn: Callable):
-    what = f"{op} on group '{group.name}' {list(group.ranks)}"
-    if _status_hook is not None:
-        _status_hook(what)
-    try:
-        return fn()
-    except Exception as e:  # gloo/nccl errors are terse: say who and what
-        me = dist.get_rank() if dist.is_initialized() else 0
-        raise CommError(f"rank {me}: {what} failed: {e}") from e
-    finally:
-        if _status_hook is not None:
-            _status_hook(f"running (last: {what})")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _in_place(t: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> torch.Tensor:
-    """Run an in-place operation on a contiguous buffer (nccl refuses strided tensors, gloo
-    refuses them for recv), then write the result back into `t`."""
-    buf = t if t.is_contiguous() else t.contiguous()
-    fn(buf)
-    if buf is not t:
-        t.copy_(buf)
-    return t
 
 
 # ----------------------------------------------------------------------------------------
@@ -261,75 +187,3 @@ def barrier(group: Group) -> None:
     if group.size == 1:
         return
     _call("barrier", group, lambda: dist.barrier(group=group.pg))
-
-
-# ----------------------------------------------------------------------------------------
-# Point to point
-# ----------------------------------------------------------------------------------------
-def _peer(group: Group, peer: int, what: str) -> int:
-    """The global rank of group-rank `peer`, another member of `group`."""
-    if not 0 <= peer < group.size or peer == group.rank:
-        raise ValueError(f"{what}: peer {peer} must be another rank of group '{group.name}' "
-                         f"(0..{group.size - 1}, not this rank's {group.rank})")
-    return group.global_rank(peer)
-
-
-def send(t: torch.Tensor, group: Group, dst: int) -> None:
-    peer = _peer(group, dst, "send")
-    _count(group, "send", _nbytes(t), _nbytes(t))
-    _call(f"send to group rank {dst}", group,
-          lambda: dist.send(t.contiguous(), dst=peer, group=group.pg))
-
-
-def recv(t: torch.Tensor, group: Group, src: int) -> torch.Tensor:
-    """Fill `t` in place with group-rank `src`'s message."""
-    peer = _peer(group, src, "recv")
-    _count(group, "recv", _nbytes(t), 0)
-    _call(f"recv from group rank {src}", group,
-          lambda: _in_place(t, lambda b: dist.recv(b, src=peer, group=group.pg)))
-    return t
-
-
-@dataclasses.dataclass
-class P2P:
-    """One half of a point-to-point exchange, for `exchange`."""
-    kind: str             # "send" or "recv"
-    tensor: torch.Tensor
-    peer: int             # group rank
-
-
-def exchange(ops: list[P2P], group: Group) -> None:
-    """Post all sends and receives at once and wait for all (no ordering deadlocks).
-
-    Messages to this rank itself (a ring of one rank) never leave it: the k-th such send is
-    copied into the k-th such receive, and nothing is counted."""
-    for op in ops:
-        if op.kind not in ("send", "recv"):
-            raise ValueError(f"P2P kind must be 'send' or 'recv', not {op.kind!r}")
-    me = group.rank
-    to_me = [op.tensor for op in ops if op.peer == me and op.kind == "send"]
-    from_me = [op.tensor for op in ops if op.peer == me and op.kind == "recv"]
-    if len(to_me) != len(from_me):
-        raise ValueError(f"exchange: {len(to_me)} sends but {len(from_me)} receives with this "
-                         "rank itself as the peer; they must pair up")
-    for src, dst in zip(to_me, from_me):
-        dst.copy_(src)
-    ops = [op for op in ops if op.peer != me]
-    if not ops:
-        return
-    torch_ops, strided = [], []   # strided: (caller's tensor, the contiguous buffer received into)
-    for op in ops:
-        _count(group, op.kind, _nbytes(op.tensor), _nbytes(op.tensor) if op.kind == "send" else 0)
-        fn = dist.isend if op.kind == "send" else dist.irecv
-        buf = op.tensor.contiguous()
-        if op.kind == "recv" and buf is not op.tensor:
-            strided.append((op.tensor, buf))
-        torch_ops.append(dist.P2POp(fn, buf, _peer(group, op.peer, "exchange"), group=group.pg))
-    peers = sorted({op.peer for op in ops})
-
-    def run():
-        for work in dist.batch_isend_irecv(torch_ops):
-            work.wait()
-        for t, buf in strided:
-            t.copy_(buf)
-    _call(f"exchange with group ranks {peers}", group, run)

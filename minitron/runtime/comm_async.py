@@ -27,8 +27,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .comm import (P2P, Group, _all_gather_flat, _call, _count, _nbytes, _peer, _reduce_op,
-                   _reduce_scatter_flat)
+from .comm import _all_gather_flat, _reduce_op, _reduce_scatter_flat
+from .comm_core import Group, _call, _count, _nbytes
+from .comm_p2p import P2P, _peer
 
 
 class Pending:
