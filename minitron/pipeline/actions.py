@@ -146,3 +146,19 @@ def check_args(name: str, pp: int, microbatches: int, virtual: int, allowed: tup
         hint = " (choose 'interleaved' for more chunks per rank)" if allowed == (1,) else ""
         raise ValueError(f"{name}: virtual={virtual} is not supported; use virtual in "
                          f"{allowed}{hint}")
+
+
+def last_backward_tail(actions: list[Action], microbatches: int) -> int | None:
+    """Where the rank's last backward work starts: the index of the first action after which
+    every backward action (BW, B, W) is of the last micro-batch; None if the rank has none.
+    From there each parameter receives exactly one more gradient, so a data-parallel engine can
+    count it as ready and start its bucket while the rest of the backward runs. Not with a
+    B/W split (zero-bubble schedules): a weight's gradient lands in its deferred W, outside the
+    autograd hooks that count readiness, so those runs reduce everything after the schedule."""
+    if any(a.kind == W for a in actions):
+        return None
+    last = microbatches - 1
+    backward = [i for i, a in enumerate(actions) if a.kind in (BW, B, W)]
+    earlier = [i for i in backward if actions[i].microbatch != last]
+    tail = [i for i in backward if actions[i].microbatch == last and (not earlier or i > earlier[-1])]
+    return tail[0] if tail else None

@@ -14,6 +14,10 @@ Each pipeline rank walks its own action list (pipeline/actions.py) in order:
 An overlapped (F, BW) pair (Schedule.overlapped, DualPipeV) runs as one where the stages have
 an MoE all-to-all to hide: each half's all-to-alls in flight while the other computes (pairs.py).
 
+Beside it: pairs.py (the overlapped pairs, hides_all_to_all), aux_loss.py (carry_aux_loss: the
+routers' terms of a stage that is not the last), outputs.py (collect_outputs, for comparing with
+one device) and actions.last_backward_tail; each is importable from here as before.
+
 After the last action the gradient fix-ups (PipelineGPT.finalize_grads): sequence-parallel sums
 over tp, the average over cp, the tied embedding over the first and last stage.
 
@@ -41,12 +45,16 @@ import time
 import torch
 
 from ..runtime import comm
-from ..context_parallel import shard_sequence, unshard_sequence
+from ..context_parallel import shard_sequence
 from ..tensor_parallel import weight_grad
-from .actions import B, BW, COMPUTE, F, RECV_F, SEND_B, SEND_F, W, Action, Event, Schedule
+from .actions import (B, BW, COMPUTE, F, RECV_F, SEND_B, SEND_F, W, Action, Event, Schedule,
+                      last_backward_tail)
+from .aux_loss import carry_aux_loss
 from .memory import ActivationMemory
 from . import pairs
+from .pairs import hides_all_to_all
 from .p2p import check_message_order, exchange, message_shape
+from .outputs import collect_outputs  # noqa: F401  (a public name of this module since it began)
 
 # `model` below is a PipelineGPT (model/stages.py): a floor above this one, so only named here.
 
@@ -230,47 +238,6 @@ class _Run:
             self.messages(batch)
 
 
-class _CarryAuxLoss(torch.autograd.Function):
-    """forward: the stage's output as it is; backward: its gradient, and `scale` as the gradient
-    of the auxiliary loss, which is a term of the loss (d loss / d aux = 1, times the 1/m of the
-    micro-batch), so the routers of a stage that is not the last get their share."""
-
-    @staticmethod
-    def forward(ctx, out, aux, scale):
-        ctx.scale, ctx.aux_shape = scale, aux.shape
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=grad.dtype, device=grad.device), None
-
-
-def carry_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-    return _CarryAuxLoss.apply(out, aux, scale)
-
-
-def last_backward_tail(actions: list[Action], microbatches: int) -> int | None:
-    """Where the rank's last backward work starts: the index of the first action after which
-    every backward action (BW, B, W) is of the last micro-batch; None if the rank has none.
-    From there each parameter receives exactly one more gradient, so a data-parallel engine can
-    count it as ready and start its bucket while the rest of the backward runs. Not with a
-    B/W split (zero-bubble schedules): a weight's gradient lands in its deferred W, outside the
-    autograd hooks that count readiness, so those runs reduce everything after the schedule."""
-    if any(a.kind == W for a in actions):
-        return None
-    last = microbatches - 1
-    backward = [i for i, a in enumerate(actions) if a.kind in (BW, B, W)]
-    earlier = [i for i in backward if actions[i].microbatch != last]
-    tail = [i for i in backward if actions[i].microbatch == last and (not earlier or i > earlier[-1])]
-    return tail[0] if tail else None
-
-
-def hides_all_to_all(model: PipelineGPT) -> bool:
-    """Whether the model's stages have all-to-alls that an overlapped pair can hide: experts
-    whose tokens travel over tp x ep ranks (moe/dispatch.py)."""
-    return bool(model.cfg.n_experts) and model.grid.tp_ep.size > 1
-
-
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
                  *, layout: str = "zigzag", keep_outputs: bool = True, track_memory: bool = False,
                  first_row: int = 0, finalize_grads: bool = True,
@@ -323,29 +290,3 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
                       run.input_grads if model.holds_first and keep_outputs else None,
                       run.events, run.memory.peak_bytes, run.memory.peak_alive,
                       dict(run.memory.unit_bytes))
-
-
-def collect_outputs(result: StepResult, model: PipelineGPT, batch: int, seq: int):
-    """(logits [b, s, V], loss, dL/dX [b, s, h]) of the whole batch on every rank, for comparing
-    with one device: gathered over tp where they are split, the sequence gathered back in order
-    over cp, then broadcast over pp from the rank of the stage that made them (collective over
-    tp, cp and pp). A cp rank's dL/dX is of its own tokens' mean loss: cp times the batch's."""
-    grid, cfg = model.grid, model.cfg
-    dtype, device = next(model.parameters()).dtype, grid.device
-
-    def from_stage(stage: int, local, shape, split_dim: int | None, dtype=dtype):
-        if local is not None:
-            local = torch.cat(local) if isinstance(local, list) else local.reshape(shape)
-            if split_dim is not None:
-                local = comm.all_gather(local.contiguous(), grid.tp, dim=split_dim)
-            if local.dim():                  # the sequence (dim 1), this cp rank's chunks
-                local = unshard_sequence(local, grid.cp)
-        out = local.contiguous() if local is not None else torch.empty(shape, dtype=dtype, device=device)
-        return comm.broadcast(out, grid.pp, src=model.placement[stage])
-
-    last = model.n_stages - 1
-    logits = from_stage(last, result.logits, (batch, seq, cfg.vocab_size), -1)
-    loss = from_stage(last, result.loss, (), None, torch.float32)   # the loss is float32 (cross_entropy.py)
-    dx = from_stage(0, result.input_grads, (batch, seq, cfg.hidden),
-                    1 if grid.sequence_parallel else None)
-    return logits, loss, dx / grid.cp.size

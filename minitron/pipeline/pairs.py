@@ -153,3 +153,9 @@ def run_alone(label: str, work: Callable[[], None]) -> None:
     if not _recorders:
         return work()
     _Half(label, None, 0).run(work)
+
+
+def hides_all_to_all(model) -> bool:
+    """Whether the model's stages have all-to-alls that an overlapped pair can hide: experts
+    whose tokens travel over tp x ep ranks (moe/dispatch.py)."""
+    return bool(model.cfg.n_experts) and model.grid.tp_ep.size > 1
