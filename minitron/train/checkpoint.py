@@ -31,31 +31,31 @@ system all ranks share). A rank killed mid-save leaves a `.partial` without a ma
 previous checkpoint untouched. A load checks the manifest, the model and every file's size and
 checksum before it reads a byte into the model: a bad checkpoint changes nothing.
 DCP's own plan exchange talks through torch.distributed directly, not minitron.runtime.comm (uncounted).
+
+This file is the save and the load; the manifest (its format and checks) is in
+checkpoint_manifest.py, the FP8 scalers' state in checkpoint_fp8.py, the experts' biases in
+checkpoint_bias.py, the placements in checkpoint_pieces.py, DCP's planners in
+checkpoint_planners.py. Their public names are importable from here too.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..config import ModelConfig
 from ..runtime import comm
-from ..tensor_parallel.fp8_linear import SCALERS, named_fp8_states
 from .checkpoint_bias import biases_of_every_stage, load_biases
+from .checkpoint_fp8 import fp8_states_of_every_stage, load_fp8  # noqa: F401 (checkpoint.load_fp8)
+from .checkpoint_manifest import (FORMAT, MANIFEST, RUNTIME_FIELDS,  # noqa: F401 (re-exported)
+                                  check_compatible, read_manifest, write_manifest)
 from .checkpoint_pieces import (_local_to_state, _state_to_local, _write_weights, local_weights,
                                 placements)
 from .checkpoint_planners import CheckpointError, PlacedLoadPlanner, PlacedSavePlanner
-from .data import sha256_file
 
-FORMAT = 1
-MANIFEST = "manifest.json"
 STATES = ("master", "exp_avg", "exp_avg_sq")
-# Fields that change how a model runs, not what its tensors are: free to differ on load.
-RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels", "recompute", "bias_update_rate"}
 
 
 # ---- save ------------------------------------------------------------------------------------
@@ -87,19 +87,14 @@ def save(path: str, model, engine=None, optimizer=None, *, step: int = 0, extra:
              storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True))
     comm.barrier(_world(grid))
     if grid.rank == 0:
-        paths = {f: os.path.join(partial, f) for f in sorted(os.listdir(partial))}
-        files = {f: {"bytes": os.path.getsize(p), "sha256": sha256_file(p)} for f, p in paths.items()}
         manifest = {"format": FORMAT, "model": dataclasses.asdict(model.cfg),
                     "parallel": dataclasses.asdict(grid.config), "step": step,
                     "dropout_seed": model.rng.seed, "dtype": str(next(model.parameters()).dtype),
                     "zero_stage": _zero_stage(engine),
                     "optimizer_step": optimizer.step_count if optimizer is not None else None,
                     "optimizer_states": [k for k, _ in _optimizer_flats(optimizer)] if optimizer else [],
-                    "extra": extra or {}, "fp8": fp8, "expert_bias": biases, "files": files}
-        with open(os.path.join(partial, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+                    "extra": extra or {}, "fp8": fp8, "expert_bias": biases}
+        write_manifest(partial, manifest)
         old = path + ".old"
         if os.path.exists(path):
             os.rename(path, old)          # keep the previous one until the new one is in place
@@ -130,127 +125,6 @@ def _optimizer_flats(optimizer) -> list[tuple[str, torch.Tensor]]:
 
 
 # ---- load ------------------------------------------------------------------------------------
-# ---- FP8: the scalers' amax histories, scales and uses (tensor_parallel/fp8.py) -----------------
-# With the amaxes reduced over tp x cp x ep x dp every rank holding a layer holds the same scaler
-# state, so one copy per layer, taken over the pipeline's stages, is the checkpoint's (in the
-# manifest: float32 values survive JSON exactly). Without the reduction (--no-fp8-amax-reduce)
-# each rank's differs, and the copy kept is that of the stage's first ranks. An expert's scalers
-# (tensor_parallel/fp8_batched.py) live on its ep rank alone: they are taken over ep too.
-def _fp8_layout(model) -> list[tuple[str, int]]:
-    """(FP8 layer, scaler) of the whole model, stage by stage, from the config (every rank
-    agrees, whatever it holds): layers.{i}.attention.qkv / .out, layers.{i}.mlp.fc1 / .fc2, and
-    in an MoE layer layers.{i}.mlp.experts.{gate, fc1, fc2}.{e}, expert by expert."""
-    cfg, parts = model.cfg, ("gate", "fc1", "fc2") if model.cfg.activation == "swiglu" else ("fc1", "fc2")
-    gemms = lambda i: ["attention.qkv", "attention.out"] + ([f"mlp.experts.{p}.{e}" for p in parts for e in
-                       range(cfg.n_experts)] if cfg.is_moe_layer(i) else ["mlp.fc1", "mlp.fc2"])
-    return [(f"layers.{i}.{g}", k) for i in range(cfg.n_layers) for g in gemms(i) for k in range(len(SCALERS))]
-
-
-def fp8_states_of_every_stage(model) -> dict | None:
-    """{layer: {scaler: {"history", "scale", "uses"}}} of every FP8 layer (collective over pp, ep),
-    None without FP8."""
-    mine = named_fp8_states(model)
-    recipes = [s.recipe for s in mine.values()]
-    if not recipes:
-        return None
-    width = 2 + recipes[0].history_len      # uses, scale, history...
-    layout = _fp8_layout(model)
-    flat = torch.zeros(len(layout), width, device=model.grid.device)
-    for row, (name, k) in enumerate(layout):
-        if name in mine and (".experts." in name or model.grid.ep.rank == 0):  # one copy over ep
-            st = mine[name].scalers()[k]
-            flat[row, 0] = float(st.uses)
-            if st.scale is not None:
-                flat[row, 1] = st.scale
-            if st.history is not None:
-                flat[row, 2:] = st.history
-    comm.all_reduce(comm.all_reduce(flat, model.grid.pp, op="max"), model.grid.ep, op="max")
-    out: dict = {}
-    for row, (name, k) in zip(flat.tolist(), layout):
-        uses, scale, history = row[0], row[1], row[2:]
-        out.setdefault(name, {})[SCALERS[k]] = {
-            "uses": int(uses), "scale": scale if scale > 0 else None,
-            "history": history if uses > 0 or any(history) else None}
-    return out
-
-
-def load_fp8(model, saved: dict | None, path: str) -> None:
-    mine = named_fp8_states(model)
-    if not mine:
-        return
-    if saved is None:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: saved without FP8 scaler state "
-                              "(not an FP8 run): a resumed FP8 run would start every amax history "
-                              "empty; resume it with the --dtype it was saved with")
-    device = model.grid.device
-    tensor = lambda v: None if v is None else torch.tensor(v, dtype=torch.float32, device=device)
-    for name, state in mine.items():
-        for k, scaler in zip(SCALERS, state.scalers()):
-            s = saved[name][k]
-            scaler.load_state_dict({"history": tensor(s["history"]), "scale": tensor(s["scale"]),
-                                    "uses": s["uses"]})
-
-
-def read_manifest(path: str) -> dict:
-    """The manifest, after checking that every file it lists is there, whole and unchanged."""
-    file = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint (a save "
-                              "that was interrupted leaves none)")
-    try:
-        with open(file) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} cannot be read: {e}") from None
-    _check_shape(manifest, file)
-    for name, want in manifest["files"].items():
-        f = os.path.join(path, name)
-        if not os.path.isfile(f):
-            raise CheckpointError(f"{f} is missing (the manifest lists it)")
-        if os.path.getsize(f) != want["bytes"]:
-            raise CheckpointError(f"{f} has {os.path.getsize(f)} bytes, the manifest says "
-                                  f"{want['bytes']}: truncated or overwritten")
-        if sha256_file(f) != want["sha256"]:
-            raise CheckpointError(f"{f} is corrupted: its sha256 differs from the manifest's")
-    return manifest
-
-
-# What load reads from a manifest: key -> the types its value may have.
-_FIELDS = {"model": dict, "step": int, "dropout_seed": int, "optimizer_step": (int, type(None)),
-           "optimizer_states": list, "extra": dict, "files": dict}
-
-
-def _check_shape(manifest, file: str) -> None:
-    """CheckpointError naming the file unless the JSON is a manifest of this format: valid JSON
-    of another shape (a list, a missing key) is as unreadable as a corrupt file."""
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{file} is not a minitron manifest: a JSON "
-                              f"{type(manifest).__name__}, not an object")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: format {manifest.get('format')!r}, this minitron reads {FORMAT}")
-    wrong = [k for k, kinds in _FIELDS.items() if k not in manifest
-             or not isinstance(manifest[k], kinds) or isinstance(manifest[k], bool)]
-    files = manifest.get("files")
-    if isinstance(files, dict):
-        wrong += [f"files[{n!r}]" for n, f in files.items()
-                  if n != os.path.basename(n) or not isinstance(f, dict)
-                  or not isinstance(f.get("bytes"), int) or not isinstance(f.get("sha256"), str)]
-    if wrong:
-        raise CheckpointError(f"{file} is not a minitron manifest: missing or malformed "
-                              + ", ".join(wrong))
-
-
-def check_compatible(manifest: dict, cfg: ModelConfig, path: str) -> None:
-    saved = manifest["model"]
-    wrong = [f"{k}={saved.get(k)!r} (this model: {v!r})" for k, v in dataclasses.asdict(cfg).items()
-             if k not in RUNTIME_FIELDS and saved.get(k) != v]
-    if wrong:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: saved from an incompatible model: "
-                              + ", ".join(wrong))
-
-
 def _dcp_read(path: str, wanted: dict) -> None:
     try:
         dcp.load({k: v[0] for k, v in wanted.items()}, planner=PlacedLoadPlanner(wanted, path),
