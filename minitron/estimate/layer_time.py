@@ -29,6 +29,14 @@ time_model.step_time multiplies it by a stage's layers and micro-batches.
   CP          the ring passes K and V (cp-1) times forward, and K, V and their gradients
               backward; overlapped with the attention core, only the excess shows.
   EP          all-to-all dispatch and combine of the top-k tokens, forward and backward.
+              Without Megatron's fused kernels (megatron-2019: NVIDIA/Megatron-LM a0368ddf47,
+              Aug 2019, mpu/transformer.py and mpu/layers.py) each step is its own kernel, a
+              read and a write of 2-byte elements: the scores scaled, multiplied by the mask,
+              the mask's -10000 subtracted, softmax, dropout (+1-byte mask): 4+4+4+4+5 = 21 S;
+              per residual branch RowParallelLinear's bias added after the all-reduce (4 E),
+              dropout (5 E), the residual add (read 4, write 2) = 15 E against the fused 7;
+              the context permuted to [b, s, h] with .contiguous() (4 E/t). LayerNorm (apex's
+              fused) and GeLU (torch.jit.script) were fused already.
 Under flash attention (software.py) the core's s x s scores never reach HBM: no softmax/dropout
 bytes, causal blocks skipped, its backward 2.5 forwards (Dao 2023, FlashAttention-2, §3.1: the
 backward recomputes S and P, five matmuls against the forward's two).
@@ -42,6 +50,8 @@ from .parallel import Cluster, Parallel
 from .shape import expert_ffn, shared_experts
 from .software import Software, software as named_software
 
+FUSED_CORE_BYTES, UNFUSED_CORE_BYTES = 9, 4 + 4 + 4 + 4 + 5    # per score element, one forward
+FUSED_RESIDUAL_BYTES, UNFUSED_RESIDUAL_BYTES = 7, 4 + 5 + 6    # per element, one residual branch
 
 def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, moe: bool,
                   sw: Software | None = None) -> dict:
@@ -74,9 +84,13 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
 
     E, S = rows * h, b * heads * s_loc * seq
     R = E / t if par.sp else E
-    ew_fwd_core = 0 if sw.flash_attention else 9 * S
+    core_bytes, residual_bytes = ((FUSED_CORE_BYTES, FUSED_RESIDUAL_BYTES) if sw.fused_kernels
+                                  else (UNFUSED_CORE_BYTES, UNFUSED_RESIDUAL_BYTES))
+    ew_fwd_core = 0 if sw.flash_attention else core_bytes * S
     visits = (mlp_rows / rows + shared_experts(cfg)) if moe else 1
-    ew_fwd_rest = 22 * R + 2 * (mats + 1) * E * (f / h) * visits / t
+    ew_fwd_rest = (2 * 4 + 2 * residual_bytes) * R + 2 * (mats + 1) * E * (f / h) * visits / t
+    if not sw.fused_kernels:
+        ew_fwd_rest += 4 * E / t                    # the context made contiguous again
     passes = {"none": 3, "selective": 3, "full": 4}[par.recompute]      # fwd, bwd (2x), [fwd]
     core_passes = 4 if par.recompute != "none" else 3
     memory_bound = (passes * ew_fwd_rest + core_passes * ew_fwd_core) / (g.hbm_bw * g.hbm_eff)

@@ -22,9 +22,10 @@ class Parallel:
     sp: bool = False
     schedule: str = "1f1b"      # "interleaved" when virtual > 1
     trim: int = 0               # uneven stages: the first and last stage hold `trim` layers fewer
+    #                             (interleaved: the first chunk of the first rank, the last of the last)
 
     def stage_layers(self, n_layers: int) -> int:
-        """Layers of a middle stage: (n + 2 trim) / pp (all stages equal when trim is 0)."""
+        """Layers of a middle rank, all its chunks: (n + 2 trim) / pp (all equal when trim is 0)."""
         return (n_layers + 2 * self.trim) // self.pp
 
     @property

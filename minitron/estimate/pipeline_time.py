@@ -7,7 +7,12 @@
   PP          each micro-batch's activation and gradient cross each stage boundary (v times
               per rank with interleaving), exposed: split over tp under SP; without SP,
               Megatron 2021-22's scatter/gather sends 1/tp and all-gathers it over the TP group
-              on arrival; later software (and minitron) sends the whole activation
+              on arrival; later software (and minitron) sends the whole activation. Megatron-Core's
+              interleaved schedule overlaps each send with the next chunk's compute
+              (overlap_p2p_comm, on by default; Llama 3 did the same, Dubey et al. 2024 §3.3.2,
+              "asynchronous point-to-point communication"): a forward's send beside a chunk's
+              forward, a backward's beside a backward, so only what exceeds half of one
+              chunk's forward and backward of one micro-batch shows
 """
 from __future__ import annotations
 
@@ -27,12 +32,16 @@ def bubble_seconds(par: Parallel, stage: float) -> float:
 
 
 def pp_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, sw: Software, seq: int,
-               microbatches: int) -> float:
+               microbatches: int, stage: float) -> float:
     """Every stage-boundary exchange of one step: each micro-batch's activation forward and its
-    gradient backward, v times per rank."""
+    gradient backward, v times per rank; `stage` is one rank's forward and backward of one
+    micro-batch (all its chunks), what an overlapped send hides behind."""
     if par.pp == 1:
         return 0.0
-    return microbatches * par.virtual * 2 * _exchange_seconds(cfg, par, cluster, sw, seq)
+    one = _exchange_seconds(cfg, par, cluster, sw, seq)
+    if sw.overlap_p2p and par.virtual > 1:       # beside one chunk's forward or backward
+        one = max(0.0, one - stage / (2 * par.virtual))
+    return microbatches * par.virtual * 2 * one
 
 
 def _exchange_seconds(cfg, par, cluster, sw, seq) -> float:

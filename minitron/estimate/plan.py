@@ -91,7 +91,7 @@ def _inner(cfg, global_batch, tp, pp, cp, ep, dp, schedules, recomputes, sp, zer
         if global_batch % (dp * ep * mb):
             continue
         m = global_batch // (dp * ep * mb)
-        for v in (VIRTUAL if pp > 1 and not trim else (1,)):
+        for v in (VIRTUAL if pp > 1 else (1,)):
             schedule = "interleaved" if v > 1 else "1f1b"
             if (cfg.n_layers + 2 * trim) % (pp * v) or schedule not in schedules or (v > 1 and m % pp):
                 continue

@@ -30,9 +30,12 @@ All: s = 2048 (Shoeybi: 1024), V = 51200, tied embeddings, A100 80 GB in DGX nod
 Out of sample (added after the model was built, not used to build it): Dubey et al. 2024, "The
 Llama 3 Herd of Models", Table 4: Llama 3 405B on 8192 and 16384 H100s at 8192 tokens (TP 8,
 CP 1, PP 16, DP 64 / 128, 16M tokens per batch -> BF16 MFU). Meta's own stack is not Megatron;
-the nearest named setting is megatron-core, with the one-layer-lighter first and last stage of
-§3.3.2 and no recomputation (the paper states none). Approximations the planner forces: no
-interleaving beside uneven stages (Llama 3 interleaved), ZeRO-1 for its FSDP-style sharding of
+the nearest named setting is megatron-core, with §3.3.2's pipeline: one layer fewer on the first
+and the last stage, the interleaved schedule with V stages per rank, V = 8 (§3.3.2: "the first
+model chunk on the first stage has only the embedding, and the last model chunk on the last stage
+has only output projection and loss calculation", so a chunk holds one layer: 126 + 2 = 128
+chunks on 16 ranks), asynchronous point-to-point sends, and no recomputation ("without activation
+checkpointing"). Approximations the planner forces: ZeRO-1 for its FSDP-style sharding of
 gradients and optimizer state, and MFU with the attention core counted without the causal
 discount (the paper does not say how it counts; at 8K tokens the core is ~8% of the FLOPs). Its
 131K-token row is left out: there the counting convention alone changes the MFU by a third.
@@ -62,6 +65,7 @@ KORTHIKANTI_TABLE5 = [  # name, heads, hidden, layers, tp, pp, gpus, batch, seco
 # (layers / pp / --num-layers-per-virtual-pipeline-stage; 1 when the script sets none)
 NARAYANAN_SCRIPT = {"1.7B": (16, 1), "3.6B": (16, 1), "7.5B": (16, 1), "18.4B": (8, 1), "39.1B": (4, 1),
                     "76.1B": (2, 3), "145.6B": (2, 2), "310.1B": (1, 2), "529.6B": (1, 3), "1008B": (1, 1)}
+DUBEY_V = 8        # §3.3.2: one layer per model chunk (module docstring)
 DUBEY_TABLE4 = [  # GPUs, TP, CP, PP, DP, sequence, sequences per DP rank, BF16 MFU
     (8192, 8, 1, 16, 64, 8192, 32, 0.43), (16384, 8, 1, 16, 128, 8192, 16, 0.41),
 ]
@@ -151,7 +155,8 @@ def dubey(gpus: dict = GPUS) -> list[Row]:
     from .shape import MODERN
     cfg, cluster, rows = MODERN["llama3-405b"], Cluster(gpus["h100"], 8), []
     for n, tp, cp, pp, dp, seq, per_dp, mfu in DUBEY_TABLE4:
-        par = Parallel(tp=tp, sp=True, pp=pp, cp=cp, dp=dp, trim=1, recompute="none", zero=1)
+        par = Parallel(tp=tp, sp=True, pp=pp, cp=cp, dp=dp, trim=1, recompute="none", zero=1,
+                       virtual=DUBEY_V, schedule="interleaved")
         bd = step_time(cfg, par, cluster, per_dp * dp, seq, software="megatron-core")
         rows.append(Row(f"405B on {n} H100s", mfu, bd.mfu, "BF16 MFU"))
     return rows

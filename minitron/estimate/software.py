@@ -8,7 +8,10 @@ a setting is the release, and the rows of every table of that release share it.
   megatron-2019   Shoeybi et al. 2019 (arXiv:1909.08053): tensor parallelism only (no pipeline),
                   activation checkpointing of every layer (§5: "checkpoint activations"), the
                   data-parallel all-reduce after the backward (§3/§5.1: the 2019 code's DDP
-                  reduced the gradients once the backward had finished), fp16 gradients.
+                  reduced the gradients once the backward had finished: pretrain_gpt2.py,
+                  USE_TORCH_DDP = False, allreduce_params after loss.backward()), fp16
+                  gradients, no fused softmax or bias-dropout-add (each its own kernel:
+                  mpu/transformer.py of NVIDIA/Megatron-LM a0368ddf47, Aug 2019).
   megatron-2021   Narayanan et al. 2021 (arXiv:2104.04473): + pipelines with the interleaved
                   1F1B schedule and the scatter/gather optimization (§2.2.2, §4.1, used for
                   the §5 runs), full recomputation (§3.5); gradients all-reduced after the
@@ -28,7 +31,12 @@ a setting is the release, and the rows of every table of that release share it.
                   with the GEMMs (--tp-comm-overlap, Transformer Engine), flash attention
                   (no s x s matrix in memory or in HBM traffic), gradients reduced in fp32
                   under bf16 (Megatron-LM's arguments force accumulate_allreduce_grads_in_fp32
-                  for bf16), uneven pipeline stages (--decoder-first/last-pipeline-num-layers).
+                  for bf16), uneven pipeline stages (--decoder-first/last-pipeline-num-layers,
+                  also with interleaving: --num-virtual-stages-per-pipeline-rank, or
+                  --pipeline-model-parallel-layout such as "E|(t|)*3,m|m||L", megatron/training/
+                  arguments.py), the interleaved schedule's stage-boundary sends overlapped with
+                  the next chunk's compute (--no-overlap-p2p-communication turns off what is on
+                  by default; megatron/core/pipeline_parallel/schedules.py).
   minitron        minitron's own engine (train/engine.py): every parallelism of this course,
                   ZeRO 0-3, eager attention (the s x s scores are materialised), DP overlapped
                   with the last micro-batch's backward without a pipeline, TP not overlapped.
@@ -61,9 +69,11 @@ class Software:
     grad_reduce_bytes: int = 2          # bytes per gradient element on the wire
     fp32_main_grads: bool = False       # gradients kept in fp32 (memory)
     schedules: tuple = ("1f1b", "interleaved")
-    uneven_stages: bool = False         # first/last stage with fewer layers (1F1B only)
+    uneven_stages: bool = False         # first/last stage with fewer layers
+    overlap_p2p: bool = False           # interleaved: stage-boundary sends beside the next chunk's compute
     pp_scatter_gather: bool = False     # PP messages sent 1/tp each, all-gathered over TP on arrival
     megatron_optimizer: bool = True     # Megatron's mixed-precision step (optimizer_time.py), not a plain Adam
+    fused_kernels: bool = True          # fused scale-mask-softmax and bias-dropout-add (layer_time.py)
 
     def refusal(self, par) -> str:
         """Why `par` uses a feature this software does not have ('' when it does not)."""
@@ -77,7 +87,6 @@ class Software:
             (par.cp > 1 and not self.context_parallel, f"cp{par.cp}: no context parallelism"),
             (par.zero not in self.zeros, f"no ZeRO stage {par.zero}"),
             (par.trim and not self.uneven_stages, "no uneven pipeline stages"),
-            (par.trim and par.virtual > 1, "uneven stages only without interleaving"),
         )
         why = [text for refused, text in checks if refused]
         return f"{self.name} has " + ", ".join(why) if why else ""
@@ -85,7 +94,7 @@ class Software:
 
 SOFTWARE = {s.name: s for s in (
     Software("megatron-2019", "Shoeybi et al. 2019, §3, §5", pipeline=False, interleaving=False,
-             schedules=("1f1b",)),
+             schedules=("1f1b",), fused_kernels=False),
     Software("megatron-2021", "Narayanan et al. 2021, §2.2.2, §3.5, §4.1, §5; examples/sc21",
              overlap_dp=True, pp_scatter_gather=True),             # torch's DDP without a pipeline (run_table_1.sh: DDP=torch)
     Software("megatron-2022", "Korthikanti et al. 2022, §4.2.2, §5", sequence_parallel=True,
@@ -95,7 +104,7 @@ SOFTWARE = {s.name: s for s in (
              recomputes=RECOMPUTES, context_parallel=True, zeros=(0, 1, 3), accumulation_fusion=True,
              overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, async_tp_backward=True,
              flash_attention=True,
-             grad_reduce_bytes=4, fp32_main_grads=True, uneven_stages=True),
+             grad_reduce_bytes=4, fp32_main_grads=True, uneven_stages=True, overlap_p2p=True),
     Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
              context_parallel=True, zeros=(0, 1, 2, 3), accumulation_fusion=True, overlap_dp=True,
              megatron_optimizer=False,

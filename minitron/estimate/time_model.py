@@ -105,7 +105,7 @@ def step_time(cfg: ModelConfig, par: Parallel, cluster: Cluster, global_batch: i
     terms = {k: m * v for k, v in busiest.items()}
 
     terms["bubble"] = bubble_seconds(par, sum(per_stage.values()))
-    terms["PP send/recv"] = pp_seconds(cfg, par, cluster, sw, seq, m)
+    terms["PP send/recv"] = pp_seconds(cfg, par, cluster, sw, seq, m, sum(per_stage.values()))
     terms["DP comm"] = dp_seconds(cfg, par, cluster, sw, m, busiest["compute"])
     terms["grad accumulation"] = accumulation_seconds(cfg, par, cluster, sw, m)
     terms["optimizer"] = optimizer_seconds(cfg, par, cluster, sw)
