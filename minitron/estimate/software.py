@@ -37,6 +37,16 @@ a setting is the release, and the rows of every table of that release share it.
                   arguments.py), the interleaved schedule's stage-boundary sends overlapped with
                   the next chunk's compute (--no-overlap-p2p-communication turns off what is on
                   by default; megatron/core/pipeline_parallel/schedules.py).
+  llama3-2024     Meta's stack as Dubey et al. 2024 (arXiv:2407.21783) describe it for Llama 3
+                  405B, not Megatron: TP with sequence parallelism (§3.3.2 cites Korthikanti et
+                  al. for TP), interleaved pipelines beside one-layer-lighter first and last
+                  stages with asynchronous point-to-point sends (§3.3.2), all-gather context
+                  parallelism, FSDP sharding gradients and optimizer state with the gradients
+                  reduce-scattered in fp32 (§3.3.2, "Numerical stability"), overlapped with the
+                  backward as PyTorch's FSDP does, no activation checkpointing at 8K tokens, and
+                  flash attention (at 8K without checkpointing the s x s scores could not be
+                  kept). The paper states no overlap of TP's collectives with the GEMMs, so
+                  they are synchronous, as PyTorch's tensor parallelism runs them.
   minitron        minitron's own engine (train/engine.py): every parallelism of this course,
                   ZeRO 0-3, eager attention (the s x s scores are materialised), DP overlapped
                   with the last micro-batch's backward without a pipeline, TP not overlapped.
@@ -105,6 +115,10 @@ SOFTWARE = {s.name: s for s in (
              overlap_dp=True, overlap_dp_with_pipeline=True, overlap_tp=True, async_tp_backward=True,
              flash_attention=True,
              grad_reduce_bytes=4, fp32_main_grads=True, uneven_stages=True, overlap_p2p=True),
+    Software("llama3-2024", "Dubey et al. 2024, §3.3.2, §3.3.4", sequence_parallel=True,
+             recomputes=("none",), context_parallel=True, zeros=(1,), accumulation_fusion=True,
+             overlap_dp=True, overlap_dp_with_pipeline=True, flash_attention=True, grad_reduce_bytes=4,
+             fp32_main_grads=True, uneven_stages=True, overlap_p2p=True, megatron_optimizer=False),
     Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
              context_parallel=True, zeros=(0, 1, 2, 3), accumulation_fusion=True, overlap_dp=True,
              megatron_optimizer=False,
