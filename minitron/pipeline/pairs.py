@@ -26,36 +26,28 @@ what `python -m minitron.bench dualpipev` measures the hidden share from.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from ..runtime import comm, comm_async
+from ..runtime.recorder import Recorder
 
 # ---- the measured timeline ---------------------------------------------------------------
-_recorders: list[list[tuple[str, str, float, float]]] = []
+_timeline = Recorder()
 
 
-@contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, str, float, float]]]:
+def recording():
     """`with recording() as segments:` collects ("compute" | "all_to_all", action, start, end):
     a half's compute between its all-to-alls, and each all-to-all from start to finish.
     While recording, the actions outside pairs are timed the same way (their all-to-alls
     started and waited for at once), so a run without overlap gives the same kind of timeline."""
-    segments: list[tuple[str, str, float, float]] = []
-    _recorders.append(segments)
-    try:
-        yield segments
-    finally:
-        _recorders.remove(segments)
+    return _timeline.recording()
 
 
-def _record(kind: str, label: str, start: float, end: float) -> None:
-    for segments in _recorders:
-        segments.append((kind, label, start, end))
+_record = _timeline.record
 
 
 # ---- one turn between two halves ---------------------------------------------------------
@@ -150,7 +142,7 @@ def run_pair(first: tuple[str, Callable[[], None]], second: tuple[str, Callable[
 def run_alone(label: str, work: Callable[[], None]) -> None:
     """One action outside a pair; while recording, timed like a half (its all-to-alls waited
     for at once), else simply run."""
-    if not _recorders:
+    if not _timeline:
         return work()
     _Half(label, None, 0).run(work)
 

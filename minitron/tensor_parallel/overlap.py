@@ -37,34 +37,27 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..runtime import comm_async
 from ..runtime.comm import P2P, Group
+from ..runtime.recorder import Recorder
 from .mappings import SEQ_DIM
 from .weight_grad import STORE, _accumulate
 
 # ---- the measured timeline -------------------------------------------------------------
-_recorders: list[list[tuple[str, str, float, float]]] = []
+_timeline = Recorder()
 
 
-@contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, str, float, float]]]:
+def recording():
     """`with recording() as events:` collects ("gemm" | "comm", label, start, end) per chunk."""
-    events: list[tuple[str, str, float, float]] = []
-    _recorders.append(events)
-    try:
-        yield events
-    finally:
-        _recorders.remove(events)
+    return _timeline.recording()
 
 
-def _record(kind: str, label: str, start: float, end: float) -> None:
-    for events in _recorders:
-        events.append((kind, label, start, end))
+_record = _timeline.record
 
 
 @contextlib.contextmanager
