@@ -188,12 +188,12 @@ def test_a_block_scaled_run_resumes_bit_for_bit(run_ranks, tmp_path):
 SMALL = dict(vocab_size=64, seq_len=8, hidden=32, n_heads=2, dropout=0.1)
 
 
-def _verify(recipe, plant=None, steps=2):
+def _verify(recipe, plant=None, steps=2, seed=0, **model):
     from minitron.config import ModelConfig
     from minitron.grid import ParallelConfig
     from minitron.verify import verify
-    return verify(ParallelConfig(tp=2, sequence_parallel=True), ModelConfig(**SMALL), steps,
-                  dtype=torch.bfloat16, fp8=FP8Recipe(recipe), plant=plant)
+    return verify(ParallelConfig(tp=2, sequence_parallel=True), ModelConfig(**{**SMALL, **model}),
+                  steps, dtype=torch.bfloat16, fp8=FP8Recipe(recipe), plant=plant, seed=seed)
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
@@ -207,12 +207,31 @@ def test_verify_blocks_pass_against_one_device(recipe):
 @pytest.mark.parametrize("plant,recipe", [("fp8-block-per-tensor", "blockwise"),
                                           ("fp8-block-per-tensor", "mxfp8"),
                                           ("fp8-mx-scale-not-pow2", "mxfp8"),
-                                          ("fp8-block-wrong-dim", "blockwise")])
+                                          ("fp8-block-wrong-dim", "blockwise"),
+                                          ("fp8-block-wrong-dim", "mxfp8")])
 def test_verify_catches_broken_blocks(plant, recipe):
     report = _verify(recipe, plant)
     assert not report.passed
     worst = max(r.err / r.tol if r.tol else float("inf") for r in report.failures)
     assert worst >= 3, report.table()
+
+
+def test_mx_tiles_along_the_wrong_dim_fail_where_a_one_binade_bar_passed_them():
+    """Under mxfp8 tiles along the wrong dimension move some scalers' largest block scale by 2 to
+    5 binades, and only the scale row sees it (a power-of-two rescale of a block rounds its
+    elements alike). A twin's scale may sit one binade off by a rounding; at this seed one does,
+    and a bar of C_NORM x that binade passed the plant, 3 binades off. The row counts the binades
+    beyond the one a rounding can flip (fp8_rows.amax_binades)."""
+    report = _verify("mxfp8", "fp8-block-wrong-dim", seed=2, n_heads=4)
+    bad = [r for r in report.failures if r.quantity == "fp8 scales (log2)"]
+    assert bad and max(r.err / r.tol for r in bad) >= 3, report.table()
+
+
+def test_a_scale_one_binade_off_is_a_rounding_under_mxfp8_only():
+    from minitron.verify.fp8_rows import amax_binades
+    ref, split = torch.tensor([2.0 ** 10, 2.0 ** 10, 448 / 3.0]), torch.tensor([2.0 ** 11, 2.0 ** 13, 448 / 3.0])
+    assert amax_binades(split, ref, pow2=True).tolist() == [0, 2, 0]
+    assert amax_binades(split, ref, pow2=False).tolist() == [1, 3, 0]
 
 
 def test_plants_need_their_recipe():
