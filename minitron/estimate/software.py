@@ -45,8 +45,12 @@ a setting is the release, and the rows of every table of that release share it.
                   reduce-scattered in fp32 (§3.3.2, "Numerical stability"), overlapped with the
                   backward as PyTorch's FSDP does, no activation checkpointing at 8K tokens, and
                   flash attention (at 8K without checkpointing the s x s scores could not be
-                  kept). The paper states no overlap of TP's collectives with the GEMMs, so
-                  they are synchronous, as PyTorch's tensor parallelism runs them.
+                  kept). What the paper does not name it is taken not to have: TP's collectives
+                  are synchronous (no overlap with the GEMMs is named; PyTorch's tensor
+                  parallelism runs them so), and the gradients are accumulated in fp32 over the
+                  micro-batches ("FP32 gradient accumulation during backward", §3.3.4) by adding
+                  each micro-batch's 16-bit weight gradient into them, not by Megatron's fused
+                  weight-gradient GEMM (gradient-accumulation fusion, an APEX/TE kernel).
   minitron        minitron's own engine (train/engine.py): every parallelism of this course,
                   ZeRO 0-3, eager attention (the s x s scores are materialised), DP overlapped
                   with the last micro-batch's backward without a pipeline, TP not overlapped.
@@ -116,7 +120,7 @@ SOFTWARE = {s.name: s for s in (
              flash_attention=True,
              grad_reduce_bytes=4, fp32_main_grads=True, uneven_stages=True, overlap_p2p=True),
     Software("llama3-2024", "Dubey et al. 2024, §3.3.2, §3.3.4", sequence_parallel=True,
-             recomputes=("none",), context_parallel=True, zeros=(1,), accumulation_fusion=True,
+             recomputes=("none",), context_parallel=True, zeros=(1,), accumulation_fusion=False,
              overlap_dp=True, overlap_dp_with_pipeline=True, flash_attention=True, grad_reduce_bytes=4,
              fp32_main_grads=True, uneven_stages=True, overlap_p2p=True, megatron_optimizer=False),
     Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
