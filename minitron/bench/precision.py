@@ -4,10 +4,9 @@
 Every run goes through the one engine (train/engine.py TrainingRun) on one CPU rank, from the
 same initial weights (bf16-rounded, so every run starts from the same numbers), on the same
 batches of the shipped corpus (data/corpus.txt), with the same learning-rate schedule: only
-the precision differs (train.precision.resolve_precision). Then float32 again with its
-initial weights nudged by one float32 rounding (--nudges): the spread of those runs is the
-yardstick. A precision's gap that
-stays inside it is not a difference this small run can show: rounding in any precision sends
+the precision differs (train.precision.resolve_precision). Then bf16 again, --nudges times,
+with every initial weight nudged by about one bf16 rounding (relative 2^-9): the spread of bf16
+and its nudged copies is the yardstick. A precision's gap that stays inside it is not a difference this small run can show: rounding in any precision sends
 the trajectory elsewhere, and a run's final loss wanders by about that much (the same command
 on another CPU's kernels, ATEN_CPU_CAPABILITY=default or avx2, moves the 16-bit and FP8 gaps
 by up to 0.02). Writes the per-step losses to a CSV
@@ -56,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--nudges", type=int, default=3,
-                   help="float32 runs with the initial weights nudged by one rounding (the yardstick)")
+                   help="bf16 runs with the initial weights nudged by one bf16 rounding (the yardstick)")
     p.add_argument("--tail", type=int, default=20, help="steps the final training loss is averaged over")
     p.add_argument("--csv", default=os.path.join(ROOT, "bench", "results", "precision_fp8.csv"))
     p.add_argument("--figure", default=os.path.join(ROOT, "lessons", "figures", "fp8_loss_curves.png"))
@@ -130,8 +129,8 @@ def train_all(args) -> dict[str, dict]:
         return {"loss": losses, "held_out": held_out}
 
     out = {name: train(dtype_name, recipe) for name, (dtype_name, recipe) in RUNS.items()}
-    # The yardstick: float32 itself, its initial weights nudged by one rounding: how far a
-    # perturbation of a float32 rounding's size alone carries the run (the spread a gap must exceed)
+    # The yardstick: bf16 again, its initial weights nudged by one bf16 rounding: how far a
+    # perturbation of a rounding's size alone carries the run (the spread a gap must exceed)
     out.update({f"bfloat16 nudged {k}": train("bfloat16", None, k) for k in range(1, args.nudges + 1)})
     return out
 
