@@ -1,6 +1,7 @@
 """Grading: a learner's answer cells run inside the reference solution; the verdict is made here.
 
-cli.py merges each learner notebook into its reference and judges it (python -m minitron.grade);
+cli.py grades a list of notebooks (python -m minitron.grade): job.py merges each learner notebook
+into its reference and reads what each cell must show, run_job.py runs it and judges each cell;
 kernel.py runs the merged cells in a kernel of their own and brings back only data (statuses,
 exceptions, shown values); course_copy.py writes the throwaway copy of the package that kernel
 imports; values.py is what check cells call (`show(label, value)`) and judge.py compares what

@@ -8,6 +8,10 @@ What runs is the REFERENCE (solutions/NN_*.ipynb: its set-up and check cells) wi
 answer cells, those holding `# BEGIN SOLUTION`, taken from the learner's notebook by cell id:
 the learner's stored outputs, edited check cells and extra cells play no part.
 
+This file is the grading run and its command line; job.py builds what each notebook runs (the
+merged notebook, each cell's expected values), run_job.py runs it in a kernel and judges each
+cell. Their names are importable from here too (tests use grade.cli.merge, .source, ...).
+
 Where the verdict is made (issue 31). This process is the judge: it never runs learner code.
 It reads the references, the learner's notebooks and the package (course_copy.py) once, at the
 start, and makes itself non-dumpable. Each notebook's cells then run, one request at a time, in
@@ -30,7 +34,6 @@ kernel can reach neither (`--kernel-user` as root, or a container; README, "Grad
 from __future__ import annotations
 
 import argparse
-import copy
 import ctypes
 import json
 from dataclasses import dataclass, field
@@ -38,14 +41,14 @@ from pathlib import Path
 
 from minitron.grade import report
 from minitron.grade.course_copy import Pristine
-from minitron.grade.judge import Shown, compare
-from minitron.grade.kernel import CellRun, Kernel, kernel_user
+from minitron.grade.job import (MISSING_ANSWER, Cell, Job, job_for, merge,  # noqa: F401 (re-exported)
+                                reference_for)
+from minitron.grade.kernel import kernel_user
 from minitron.grade.recorded import stamp, torch_line, torch_version
 from minitron.grade.report import is_answer_cell, source  # noqa: F401  (tests use grade.*)
-from minitron.grade.values import VALUE_MIME
+from minitron.grade.run_job import run_job, verdict  # noqa: F401 (re-exported)
 
 COURSE = Path(__file__).resolve().parents[2]   # the course: minitron/grade/cli.py -> the root
-MISSING_ANSWER = 'raise NotImplementedError("your notebook has no answer cell {id}: nothing to grade")\n'
 
 
 @dataclass
@@ -70,150 +73,6 @@ class Grade:
         first, more = self.failures[0], len(self.failures) - 1
         tail = f" ({more} later cell{'s fail' if more > 1 else ' fails'} too)" if more else ""
         return f"{self.path}: FAIL at {first.where}: {first.reason}{tail}"
-
-
-def merge(learner: dict, reference: dict) -> tuple[dict, list[str]]:
-    """The notebook to grade: the reference with its answer cells' sources from the learner.
-
-    Returns it and the notes to show the learner. An answer cell whose reference prints nothing
-    may print anything (its output is not compared); check cells are always the reference's.
-    """
-    names = report.cell_names(reference)
-    theirs = {c.get("id"): c for c in learner.get("cells", []) if c.get("id")}
-    graded, notes = copy.deepcopy(reference), []
-    for number, cell in enumerate(c for c in graded["cells"] if c["cell_type"] == "code"):
-        mine = theirs.get(cell.get("id"))
-        if is_answer_cell(cell):
-            cell.setdefault("metadata", {})["minitron_answer"] = True
-            if mine is None:
-                notes.append(f"your notebook has no answer cell {cell.get('id')} (the "
-                             f"{names[number].removeprefix('your ')}): graded as unsolved")
-                cell["source"] = MISSING_ANSWER.format(id=cell.get("id"))
-            else:
-                cell["source"] = source(mine)
-            if not cell.get("outputs"):
-                cell["metadata"]["tags"] = ["nbval-ignore-output"]
-        elif mine is not None and source(mine) != source(cell):
-            notes.append(f"you edited a check cell ({names[number]}, id {cell.get('id')}); "
-                         "the reference's is used")
-    known = {c.get("id") for c in reference["cells"]}
-    for cell in learner.get("cells", []):
-        if cell.get("cell_type") == "code" and cell.get("id") not in known and source(cell).strip():
-            first = source(cell).strip().splitlines()[0][:60]
-            notes.append(f"your cell {cell.get('id')} ({first!r}) is not part of the exercise: not run")
-    return graded, notes
-
-
-def reference_for(learner: Path, solutions: Path) -> Path | None:
-    same = solutions / learner.name
-    if same.exists():
-        return same
-    number = learner.name.split("_", 1)[0] + "_"
-    found = sorted(solutions.glob(number + "*.ipynb")) if number[:-1].isdigit() else []
-    return found[0] if len(found) == 1 else None
-
-
-@dataclass
-class Job:
-    """One notebook to grade: its cells to run, in order, with what the reference says of each."""
-    merged: dict
-    cells: list["Cell"]
-
-
-@dataclass
-class Cell:
-    number: int                  # among the notebook's code cells (the count the names use)
-    source: str
-    answer: bool                 # the learner's: only its status counts
-    shown: list[Shown]           # the reference's values (its stored outputs)
-    text: str | None             # a check that shows no value: the reference's printed text
-                                 # (compared as text until the check is converted to show)
-    run: bool = True             # False: skipped (NBVAL_SKIP), as the reference's tests skip it
-
-
-def _reference_values(cell: dict) -> list[Shown]:
-    found = []
-    for out in cell.get("outputs") or []:
-        data = out.get("data", {}) if out.get("output_type") in ("display_data", "execute_result") else {}
-        if VALUE_MIME in data:
-            found.append(Shown.from_data(data[VALUE_MIME]))
-    return found
-
-
-def job_for(merged: dict) -> Job:
-    """What to run and what to expect, read from the merged notebook (the reference's outputs)."""
-    cells = []
-    for number, cell in enumerate(c for c in merged["cells"] if c["cell_type"] == "code"):
-        text, tags = source(cell), cell.get("metadata", {}).get("tags", [])
-        answer = bool(cell.get("metadata", {}).get("minitron_answer"))
-        ignored = answer or "NBVAL_IGNORE_OUTPUT" in text or "nbval-ignore-output" in tags
-        shown = [] if ignored else _reference_values(cell)
-        legacy = None
-        if not ignored and not shown and cell.get("outputs"):
-            legacy = report.output_text(cell["outputs"])
-        cells.append(Cell(number, text, answer, shown, legacy,
-                          run="NBVAL_SKIP" not in text and "nbval-skip" not in tags))
-    return Job(merged, cells)
-
-
-def verdict(cell: Cell, run: CellRun, merged: dict, where: str) -> report.Failure | None:
-    """None if this cell's run is the reference's, else why not. Only data is read: the reply's
-    status, the exception the kernel reported, the values its shows published."""
-    n = cell.number
-    if run.status == "died":
-        what = ("it ended the Python process" if cell.answer
-                else "the Python process ended while it ran: something it called ended it")
-        code = f" (exit status {run.exit_code})" if run.exit_code is not None else ""
-        return report.Failure(n, where, "other", message=what + code, died=True)
-    if run.status == "timeout":
-        return report.Failure(n, where, "other", message="it ran out of time (no reply from the kernel)")
-    if run.status == "error":
-        raised = report.root_exception(run.ename, run.evalue, [report.plain(t) for t in run.traceback])
-        yours = report.learner_function(merged, raised.function, raised.line)
-        return report.Failure(n, where, "exception", raised.exception, raised.message,
-                              yours or raised.function, bool(yours))
-    if run.status != "ok":
-        return report.Failure(n, where, "other", message=f"it did not finish (its status: {run.status})")
-    if cell.answer:
-        return None
-    if run.bad_value:
-        return report.Failure(n, where, "value", message=f"it published a value that is not plain data ({run.bad_value})")
-    if cell.text is not None and not cell.shown:   # not yet converted to show: its text
-        line, want, have = report.first_difference(cell.text, run.text)
-        return None if not line else report.Failure(n, where, "output", expected=want, got=have, line=line,
-                                                     message="its output differs from the reference")
-    found = compare(run.shown, cell.shown)
-    return None if found is None else report.Failure(n, where, "value", message=found)
-
-
-def _run_job(job: Job, pristine: Pristine, cell_timeout: int, show, verbose: bool,
-             user: tuple[int, int] | None) -> list[report.Failure]:
-    """Run one notebook in a fresh copy of the course and a kernel of its own; its failures."""
-    copy = pristine.write(user)
-    names = report.cell_names(job.merged)
-    try:
-        try:
-            kernel = Kernel(copy.course, copy.cwd, copy.home, user)
-        except RuntimeError:  # it died starting (before any learner code): once more
-            kernel = Kernel(copy.course, copy.cwd, copy.home, user)
-        failures = []
-        try:
-            for cell in job.cells:
-                if not cell.run:
-                    continue
-                run = kernel.run(cell.source, cell_timeout)
-                if verbose and run.text:
-                    show(run.text.rstrip("\n"))
-                failure = verdict(cell, run, job.merged, names[cell.number])
-                if failure:
-                    failures.append(failure)
-                    if kernel.dead:
-                        break
-        finally:
-            kernel.stop()
-        return failures
-    finally:
-        copy.remove()
 
 
 def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 600,
@@ -251,7 +110,7 @@ def grade(paths: list[Path], solutions: Path | None = None, cell_timeout: int = 
         show(f"grading {', '.join(str(g.path) for g, _ in jobs)} (every cell runs: this takes a while)")
         for g, job in jobs:
             try:
-                g.failures = _run_job(job, pristine, cell_timeout, show, verbose, user)
+                g.failures = run_job(job, pristine, cell_timeout, show, verbose, user)
             except RuntimeError as e:  # the kernel would not start, twice: no verdict on the answers
                 g.error = f"its kernel did not start ({e})"
     for g in grades:
