@@ -203,3 +203,31 @@ def test_the_planners_output_states_its_measured_error(capsys):
     mean, worst = published.mean_worst(every)
     assert last.startswith("every figure above is a PREDICTION") and f"{100 * mean:.1f}% on average" in last
     assert f"{100 * worst:.1f}% at worst" in last and f"against {len(every)} published runs" in last
+
+
+def test_flash_attention_streams_no_scores_and_runs_at_its_kernels_rate():
+    """A flash core keeps the s x s scores on chip: a quarter of the HBM bandwidth leaves its time
+    alone at 8K tokens (the GEMM roofline, which writes the scores out, was memory-bound there), and
+    it runs at the sustained matmul rate unless the software names a kernel with a published lower
+    utilization (llama3-2024: FlashAttention-2, 35% of an H100's peak, Shah et al. 2024)."""
+    import dataclasses
+    from minitron.estimate.devices import flash_attention_seconds, gemm_seconds
+    from minitron.estimate.software import SOFTWARE
+    from minitron.hardware import GPUS
+    g = GPUS["h100"]
+    slow = dataclasses.replace(g, hbm_bw=g.hbm_bw / 4)
+    flops = 2 * 2 * 16 * 8192 * 8192 * 128 / 2                    # 16 heads, causal half
+    assert flash_attention_seconds(8192, 8192, 128, g, 16) == pytest.approx(
+        flash_attention_seconds(8192, 8192, 128, slow, 16))
+    assert flash_attention_seconds(8192, 8192, 128, g, 16) == pytest.approx(
+        flops / (g.peak_flops * g.matmul_eff * g.sustained))
+    assert gemm_seconds(8192, 8192, 128, slow, 16) > 2 * gemm_seconds(8192, 8192, 128, g, 16)
+    assert SOFTWARE["llama3-2024"].attention_utilization(g) == 0.35
+    assert SOFTWARE["megatron-core"].attention_utilization(g) is None
+    assert flash_attention_seconds(8192, 8192, 128, g, 16, 0.35) == pytest.approx(flops / (0.35 * g.peak_flops))
+    from minitron.estimate.shape import MODERN
+    from minitron.estimate.time_model import Cluster, Parallel, layer_seconds
+    par = Parallel(tp=8, sp=True, pp=4, dp=2, recompute="none")
+    compute = lambda gpu: layer_seconds(MODERN["llama3-70b"], par, Cluster(gpu, 8), 8192, False,
+                                        SOFTWARE["megatron-core"])["compute"]
+    assert compute(slow) < 1.02 * compute(g)        # only the thinnest GEMMs feel it; the eager core would

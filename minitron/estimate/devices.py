@@ -22,6 +22,18 @@ def gemm_seconds(m: int, n: int, k: int, gpu: GPU, batch: int = 1, tile: int = 1
     return max(compute, memory)
 
 
+def flash_attention_seconds(rows: int, keys: int, head_dim: int, gpu: GPU, batch: int,
+                            utilization: float | None = None) -> float:
+    """The forward of a fused (flash) attention core over `batch` heads: its two products with the
+    causal mask's skipped tiles (about half), at `utilization` of peak where the software's kernel
+    has a published figure on this GPU, else at the sustained matmul rate; the s x s scores stay on
+    chip, so only Q, K, V and the output cross HBM (no s^2 bytes)."""
+    flops = 2 * 2 * batch * rows * keys * head_dim / 2
+    rate = gpu.peak_flops * (utilization if utilization else gpu.matmul_eff * gpu.sustained)
+    hbm = 2 * batch * head_dim * (2 * rows + 2 * keys)          # Q, O [rows, d]; K, V [keys, d]
+    return max(flops / rate, hbm / (gpu.hbm_bw * gpu.hbm_eff))
+
+
 def _linear_seconds(m: int, n: int, k: int, gpu: GPU, batch: int = 1) -> tuple[float, float]:
     """(forward, backward) of y = x W: backward is dX = dY W^T and dW = X^T dY."""
     fwd = gemm_seconds(m, n, k, gpu, batch)

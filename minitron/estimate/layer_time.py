@@ -39,13 +39,14 @@ time_model.step_time multiplies it by a stage's layers and micro-batches.
               fused) and GeLU (torch.jit.script) were fused already.
 Under flash attention (software.py) the core's s x s scores never reach HBM: no softmax/dropout
 bytes, causal blocks skipped, its backward 2.5 forwards (Dao 2023, FlashAttention-2, §3.1: the
-backward recomputes S and P, five matmuls against the forward's two).
+backward recomputes S and P, five matmuls against the forward's two), at the sustained matmul
+rate unless the software's kernel has a published lower utilization on that GPU (software.py).
 """
 from __future__ import annotations
 
 from ..config import ModelConfig
 from ..hardware import ring_seconds
-from .devices import _linear_seconds, gemm_seconds, link, members_per_node
+from .devices import _linear_seconds, flash_attention_seconds, link, members_per_node
 from .parallel import Cluster, Parallel
 from .shape import expert_ffn, shared_experts
 from .software import Software, software as named_software
@@ -74,7 +75,7 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
     fwd = lambda parts: sum(x for x, _ in parts)
     bwd = lambda parts: sum(w for _, w in parts)
     if sw.flash_attention:       # causal tiles skipped (about half), backward 2.5 forwards (Dao 2023)
-        core_fwd = (gemm_seconds(s_loc, seq, d, g, b * heads) + gemm_seconds(s_loc, d, seq, g, b * heads)) / 2
+        core_fwd = flash_attention_seconds(s_loc, seq, d, g, b * heads, sw.attention_utilization(g))
         core = [(core_fwd, 2.5 * core_fwd)]
     else:
         core = [_linear_seconds(s_loc, seq, d, g, b * heads), _linear_seconds(s_loc, d, seq, g, b * heads)]

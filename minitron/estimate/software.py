@@ -45,7 +45,8 @@ a setting is the release, and the rows of every table of that release share it.
                   reduce-scattered in fp32 (§3.3.2, "Numerical stability"), overlapped with the
                   backward as PyTorch's FSDP does, no activation checkpointing at 8K tokens, and
                   flash attention (at 8K without checkpointing the s x s scores could not be
-                  kept). What the paper does not name it is taken not to have: TP's collectives
+                  kept), taken as PyTorch's FlashAttention-2 at its published utilization on
+                  Hopper (FLASH_ATTENTION_2 below). What the paper does not name it is taken not to have: TP's collectives
                   are synchronous (no overlap with the GEMMs is named; PyTorch's tensor
                   parallelism runs them so), and the gradients are accumulated in fp32 over the
                   micro-batches ("FP32 gradient accumulation during backward", §3.3.4) by adding
@@ -62,6 +63,10 @@ import dataclasses
 from ..config import CHOICES
 
 RECOMPUTES = CHOICES["recompute"]     # none, selective, full
+# FlashAttention-2 on Hopper: "only 35% utilization on the H100 GPU" (Shah et al. 2024,
+# FlashAttention-3, arXiv:2407.08608, abstract); the H200 has the H100's compute die. PyTorch's
+# scaled_dot_product_attention has run FlashAttention-2 since PyTorch 2.2 (January 2024).
+FLASH_ATTENTION_2 = (("H100", 0.35), ("H200", 0.35))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,11 @@ class Software:
     pp_scatter_gather: bool = False     # PP messages sent 1/tp each, all-gathered over TP on arrival
     megatron_optimizer: bool = True     # Megatron's mixed-precision step (optimizer_time.py), not a plain Adam
     fused_kernels: bool = True          # fused scale-mask-softmax and bias-dropout-add (layer_time.py)
+    flash_utilization: tuple = ()       # (GPU name prefix, fraction of peak) of its flash-attention kernel
+
+    def attention_utilization(self, gpu) -> float | None:
+        """The published fraction of peak its flash-attention kernel reaches on `gpu`, if any."""
+        return next((u for prefix, u in self.flash_utilization if gpu.name.startswith(prefix)), None)
 
     def refusal(self, par) -> str:
         """Why `par` uses a feature this software does not have ('' when it does not)."""
@@ -122,7 +132,8 @@ SOFTWARE = {s.name: s for s in (
     Software("llama3-2024", "Dubey et al. 2024, §3.3.2, §3.3.4", sequence_parallel=True,
              recomputes=("none",), context_parallel=True, zeros=(1,), accumulation_fusion=False,
              overlap_dp=True, overlap_dp_with_pipeline=True, flash_attention=True, grad_reduce_bytes=4,
-             fp32_main_grads=True, uneven_stages=True, overlap_p2p=True, megatron_optimizer=False),
+             fp32_main_grads=True, uneven_stages=True, overlap_p2p=True, megatron_optimizer=False,
+             flash_utilization=FLASH_ATTENTION_2),
     Software("minitron", "minitron/train/engine.py", sequence_parallel=True, recomputes=RECOMPUTES,
              context_parallel=True, zeros=(0, 1, 2, 3), accumulation_fusion=True, overlap_dp=True,
              megatron_optimizer=False,
