@@ -59,12 +59,6 @@ TABLE: tuple[Refusal, ...] = (
          lambda o: o.fp8 and o.dtype != "fp8",
          "FP8 GEMMs run inside bfloat16 training (bf16 activations, fp32 master weights)",
          [{"dtype": "bfloat16"}], None),
-    _row("fp8-blocks-tp-comm-overlap", "engine", ("fp8_recipe", "tp_comm_overlap"),
-         lambda o: o.fp8_recipe in ("blockwise", "mxfp8") and o.tp_comm_overlap,
-         "the ring's chunked FP8 GEMMs (fp8_linear.FP8RingGemms) take one scale per tensor; the "
-         "block-scaled GEMMs (tensor_parallel/fp8_blocks.py) are not cut into sequence chunks",
-         [{"fp8_recipe": "current"}, {"fp8_recipe": "delayed"}, {"tp_comm_overlap": False}],
-         "--tp 2 --sp --tp-comm-overlap --dtype fp8 --fp8-recipe blockwise"),
     _row("float64-engine", "engine", ("dtype",),
          lambda o: o.dtype == "float64" and o.engine,
          "the data-parallel engine (dp > 1, ep > 1, a ZeRO stage or 16 bits) steps float32 master "

@@ -47,6 +47,9 @@ shards of 32 features: block 32, not 128). Where a block would span ranks, each 
 its own and no single device casts alike (the training run still works: Transformer Engine does
 the same). Checkpoints keep no scales for these recipes (nothing carries over between uses),
 and a recomputed forward recasts its identical inputs into identical blocks.
+
+With --tp-comm-overlap the rings run these GEMMs chunk by chunk (BlockRingGemms): every chunk's
+casts are the unchunked layer's, and dL/dW, whose tiles cross the chunks, runs once after the ring.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ import torch
 
 from . import weight_grad
 from .fp8 import BLOCK_RECIPES, FLOAT32_MAX, fp8_max
+from .overlap import RingGemms
 
 DEFAULT_BLOCK = {"blockwise": 128, "mxfp8": 32}
 E8M0_LIMIT = 127           # an E8M0 scale is 2^e, -127 <= e <= 127
@@ -248,6 +252,47 @@ def block_linear(x, weight, bias, state, gemm) -> torch.Tensor:
     return _BlockFP8Linear.apply(x, weight, bias, state, gemm)
 
 
+class BlockRingGemms(RingGemms):
+    """_BlockFP8Linear's GEMMs on the chunks of --tp-comm-overlap's rings (overlap.py), making
+    the very casts the unchunked layer makes. The weight is cast once, before the ring. The
+    forward's x and dL/dx's g are cast chunk by chunk: their tiles lie along a row (K = the
+    features) and a chunk holds whole rows, so each chunk's tiles are the unchunked cast's. dL/dW's
+    tiles run down the tokens (K = tokens), whose chunks (s/tp tokens of each sequence) need not
+    hold whole tiles, and a tile's scale is the amax of all its tokens: so dL/dW is one GEMM on
+    the gathered tensors after the ring (wgrad_whole), cast there as the unchunked layer casts
+    them, for any block and chunk. Each logical cast counts one use."""
+    wgrad_dtype = torch.float32
+    wgrad_whole = True
+
+    def __init__(self, state, gemm):
+        self.state, self.gemm, self.t = state, gemm, tiles(state.recipe)
+
+    def begin_forward(self, x, weight):
+        st, t = self.state, self.t
+        self.w = st.weight.cast(weight, *t["w"]).dequantize()
+        self.w_dgrad = self.w if t["w_dgrad"] == t["w"] else \
+            st.weight.cast(weight, *t["w_dgrad"]).dequantize()
+        st.input.uses += 1                   # forward()'s casts of the chunks: one use
+        self.dtype = x.dtype
+
+    def begin_backward(self, dy):
+        self.state.grad.uses += 1            # dgrad()'s casts of the chunks: one use
+
+    def forward(self, x, weight):
+        qx = self.state.input.quantize(x.reshape(-1, x.shape[-1]), *self.t["x"])
+        return self.gemm(qx.dequantize(), self.w.t(), self.dtype).reshape(*x.shape[:-1], -1)
+
+    def dgrad(self, dy, weight):
+        qg = self.state.grad.quantize(dy.reshape(-1, dy.shape[-1]), *self.t["g"])
+        return self.gemm(qg.dequantize(), self.w_dgrad, self.dtype).reshape(*dy.shape[:-1], -1)
+
+    def wgrad(self, dy, x):                  # dy, x: the whole gathered tensors
+        st, t = self.state, self.t
+        qx_t = st.input.cast(x.reshape(-1, x.shape[-1]), *t["x_tokens"])
+        qg_t = st.grad.cast(dy.reshape(-1, dy.shape[-1]), *t["g_tokens"])
+        return self.gemm(qg_t.dequantize().t(), qx_t.dequantize(), torch.float32)
+
+
 __all__ = ["BLOCK_RECIPES", "DEFAULT_BLOCK", "E8M0_LIMIT", "emax_elem", "block_amax",
            "block_scale", "expand", "Blocks", "quantize_blocks", "BlockScaler", "block_size",
-           "tiles", "largest_block", "split_pieces", "fit_block", "block_linear"]
+           "tiles", "largest_block", "split_pieces", "fit_block", "block_linear", "BlockRingGemms"]

@@ -30,7 +30,8 @@ The master weights and Adam states are the bf16 run's: fp32, in the optimizer.
 The fine-grained recipes (blockwise, mxfp8: a scale per block, E4M3 for every operand) go
 through fp8_blocks.py's own GEMM instead: each rank casts its local tensors block by block, no
 amax is reduced, and the GEMM multiplies the dequantized operands in float32 (on a GPU too:
-torch._scaled_mm's block-scaled modes are not used here).
+torch._scaled_mm's block-scaled modes are not used here); with --tp-comm-overlap, through
+fp8_blocks.BlockRingGemms.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ import torch.nn as nn
 
 from . import weight_grad
 from .fp8 import E4M3, E5M2, FP8Recipe, TensorScaler, quantize
-from .fp8_blocks import BlockScaler, block_linear
+from .fp8_blocks import BlockRingGemms, BlockScaler, block_linear
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .overlap import RingGemms
 
@@ -72,8 +73,10 @@ class FP8State:
         for name, s in zip(SCALERS, self.scalers()):
             s.load_state_dict(state[name])
 
-    def ring_gemms(self) -> "FP8RingGemms":
+    def ring_gemms(self) -> RingGemms:
         """The GEMMs of --tp-comm-overlap's rings (overlap.py), cast as `linear` casts."""
+        if self.recipe.fine_grained:
+            return BlockRingGemms(self, dequantized_matmul)
         return FP8RingGemms(self)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -191,8 +194,8 @@ class FP8RingGemms(RingGemms):
 
     def __init__(self, state: FP8State):
         if state.recipe.fine_grained:
-            raise ValueError("the rings' chunked FP8 GEMMs take one scale per tensor: the "
-                             f"{state.recipe.scaling} recipe's blocks are not chunked (refusals: fp8-blocks-tp-comm-overlap)")
+            raise ValueError(f"FP8RingGemms takes one scale per tensor: the {state.recipe.scaling} "
+                             "recipe's rings are fp8_blocks.BlockRingGemms (FP8State.ring_gemms)")
         self.state = state
 
     def begin_forward(self, x, weight):

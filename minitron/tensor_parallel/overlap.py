@@ -28,6 +28,10 @@ matmuls here, or FP8 ones (fp8_linear.FP8RingGemms, when the layer has an FP8 st
 take one scale per logical tensor before the ring starts (each rank's amax of its chunk,
 all-reduced over the amax group, is the whole tensor's amax) and cast chunk by chunk with it:
 the casts are elementwise, so every chunk's FP8 numbers are those the unchunked layer casts.
+The block-scaled ones (fp8_blocks.BlockRingGemms) cast the forward's and dL/dx's operands chunk
+by chunk too (their tiles run along the features, within a chunk's rows), but dL/dW's tiles run
+along the tokens, across the chunks: `wgrad_whole` has the ring run dL/dW once, after it, on
+the gathered tensors, as the unchunked layer does.
 
 The messages go through comm_async.exchange; a `recording()` block collects each GEMM chunk
 and each message as (kind, label, start, end) on time.perf_counter's clock: the timeline
@@ -123,6 +127,8 @@ class RingGemms:
     """The GEMMs the rings run on each chunk, in the activations' dtype. A subclass (FP8's) takes
     its scales in begin_forward / begin_backward, before any chunk is multiplied."""
     wgrad_dtype = None                     # dL/dW accumulates in the weight's dtype
+    wgrad_whole = False                    # True: dL/dW as one GEMM on the gathered tensors,
+                                           # after the ring (its casts' tiles run along the tokens)
 
     def begin_forward(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         pass
@@ -195,10 +201,13 @@ class _AllGatherMatmul(torch.autograd.Function):
 
         def partial(c):                  # this rank's share of dL/dx for chunk c (and of dL/dW)
             dyc = _chunk(dy, c, size)
-            if dw is not None:
+            if dw is not None and not gemms.wgrad_whole:
                 dw.add_(gemms.wgrad(dyc, _chunk(x_full, c, size)))
             return gemms.dgrad(dyc, weight)
         dx = ring_reduce_scatter(partial, ctx.group, "reduce-scatter dL/dx")
+        if dw is not None and gemms.wgrad_whole:
+            with _gemm("dL/dW"):
+                dw.add_(gemms.wgrad(dy, x_full))
         if defer:
             _defer(ctx.weight, lambda: gemms.wgrad(dy, x_full).to(weight.dtype), dy.numel() * dy.element_size())
         return dx, None if dw is None else dw.to(weight.dtype), None, None
@@ -232,11 +241,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
         def gemm(j, dyj):
             dxs[j], dys[j] = gemms.dgrad(dyj, weight), dyj
-            if dw is not None:
+            if dw is not None and not gemms.wgrad_whole:
                 dw.add_(gemms.wgrad(dyj, _chunk(x, j, size)))
         ring_gather(dy, ctx.group, gemm, "all-gather dL/dy")
+        dy_full = torch.cat(dys, dim=SEQ_DIM) if defer or gemms.wgrad_whole else None
+        if dw is not None and gemms.wgrad_whole:
+            with _gemm("dL/dW"):
+                dw.add_(gemms.wgrad(dy_full, x))
         if defer:
-            dy_full = torch.cat(dys, dim=SEQ_DIM)
             _defer(ctx.weight, lambda: gemms.wgrad(dy_full, x).to(weight.dtype),
                    dy_full.numel() * dy_full.element_size())
         return torch.cat(dxs, dim=SEQ_DIM), None if dw is None else dw.to(weight.dtype), None, None
