@@ -1,0 +1,36 @@
+"""nbval's kernels forked from one process that has imported torch and IPython already
+(minitron/grade/forkserver.py, the grader's fork server), not each started afresh: a lesson's
+kernel spent about 1.8 s of CPU importing them before its first cell. Installed in the nbval
+process of tests/test_notebooks.py only; a learner's Jupyter starts its kernels as it always does.
+
+A fork is the kernel its own start would have made: the environment, working folder and
+sys.path jupyter_client gives it. Not preloaded: matplotlib, which picks its backend at import
+from MPLBACKEND, set by ipykernel as the kernel starts; and minitron, which a lesson may import
+only after setting TRITON_INTERPRET (triton decides at its first import)."""
+import atexit
+import os
+
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+from minitron.grade.forkserver import ForkServer
+
+PRELOAD = ("torch", "numpy", "IPython", "ipykernel.ipkernel", "jupyter_client.session")
+
+
+def install() -> None:
+    servers: dict[str, ForkServer] = {}
+    started_afresh = LocalProvisioner.launch_kernel
+
+    async def launch_kernel(self, cmd, **kwargs):
+        if cmd[1:3] != ["-m", "ipykernel_launcher"]:       # python -m ipykernel_launcher ...
+            return await started_afresh(self, cmd, **kwargs)
+        python = cmd[0]
+        if python not in servers:
+            servers[python] = ForkServer([], python, dict(os.environ), None, PRELOAD)
+            atexit.register(servers[python].close)
+        self.process = servers[python].fork(cmd[3:], env=kwargs["env"], cwd=str(kwargs.get("cwd") or os.getcwd()))
+        self.pid = self.pgid = self.process.pid    # it leads a session of its own
+        self.cwd = kwargs.get("cwd")
+        return self.connection_info
+
+    LocalProvisioner.launch_kernel = launch_kernel
