@@ -46,13 +46,24 @@ training run):
   NVLink     nccl-tests all-reduce bus bandwidth inside a node: ~230 of 300 GB/s on DGX A100,
              ~360 of 450 on DGX H100 (no NVLink SHARP): 0.78 / 0.80.
   network    nccl-tests across nodes reach ~0.9 of the NICs' line rate.
-  latency    a collective step's fixed cost (alpha): ~10 us on NVLink, ~20 us across the network.
+  latency    NCCL's own latency model, the one its tuner picks algorithms with (NVIDIA/nccl,
+             src/graph/tuning.cc, ncclTunerConstantsDefaults and ncclTopoTuneModel; commit
+             5067397, 2026): a ring collective with the Simple protocol (the one for the MB-sized
+             buffers of training) costs a base of 8.4 us, plus 3.4 us per step inside a node over
+             NVLink and 14 us per step that crosses nodes (intra-node steps of a ring that leaves
+             the node: max(3.4, 3 x netOverhead = 3.0) us, so 3.4). An all-reduce has 2(N-1) steps,
+             2(nodes-1) of them between nodes; an all-gather or reduce-scatter half as many.
+             A point-to-point send pays one step's latency.
 
 The link model (alpha-beta): a message of n bytes over a link costs alpha + n / beta. A ring
 collective over a group of N ranks moves (N-1)/N of the buffer per rank per phase (all-reduce: two
 phases, reduce-scatter then all-gather; all-gather or reduce-scatter alone: one), in N-1 steps:
 
-    t = phases * ((N-1)/N * bytes / busbw + (N-1) * alpha)                      (ring_seconds)
+    t = phases * ((N-1)/N * bytes / busbw + (N-1) * alpha) + base               (ring_seconds)
+
+where alpha is the steps' mean latency, nvlink_latency + (net_latency - nvlink_latency) x
+(nodes-1)/(N-1) (the share of a ring's steps that cross nodes is the same in either phase), and
+base is GPU.collective_latency, paid once per collective.
 
 busbw, one rank's bus bandwidth, depends on where the group's members sit:
   - all in one node: NVLink's, busbw = nvlink_bw * nvlink_eff.
@@ -92,8 +103,9 @@ class GPU:
     hbm_eff: float = 0.85
     nvlink_eff: float = 0.78
     net_eff: float = 0.9
-    nvlink_latency: float = 10e-6
-    net_latency: float = 20e-6
+    nvlink_latency: float = 3.4e-6      # NCCL's ring step inside a node (Simple protocol)
+    net_latency: float = 14e-6          # NCCL's ring step between nodes (Simple protocol)
+    collective_latency: float = 8.4e-6  # NCCL's base latency of a ring collective (Simple)
 
     def __post_init__(self):
         for field in ("peak_flops", "memory_bytes", "hbm_bw", "nvlink_bw", "net_bw"):
@@ -141,12 +153,14 @@ def peak_of(device_name: str) -> float | None:
 
 
 def ring_link(g: GPU, group_size: int, members_per_node: int) -> tuple[float, float]:
-    """(bus bandwidth B/s, latency per step s) of one member of a ring collective over
+    """(bus bandwidth B/s, mean latency per step s) of one member of a ring collective over
     `group_size` ranks with `members_per_node` of them on each node (the module docstring)."""
     nvlink = g.nvlink_bw * g.nvlink_eff
     if members_per_node >= group_size:
         return nvlink, g.nvlink_latency
-    return min(nvlink, members_per_node * g.net_bw * g.net_eff), g.net_latency
+    nodes = group_size / max(1, members_per_node)
+    step = g.nvlink_latency + (g.net_latency - g.nvlink_latency) * (nodes - 1) / (group_size - 1)
+    return min(nvlink, members_per_node * g.net_bw * g.net_eff), step
 
 
 def point_to_point_link(g: GPU, crosses_nodes: bool) -> tuple[float, float]:
@@ -157,12 +171,14 @@ def point_to_point_link(g: GPU, crosses_nodes: bool) -> tuple[float, float]:
     return min(g.nvlink_bw * g.nvlink_eff, g.net_bw * g.net_eff), g.net_latency
 
 
-def ring_seconds(nbytes: float, n: int, bw_lat: tuple[float, float], phases: int = 2) -> float:
-    """A ring all-reduce (phases=2) or all-gather / reduce-scatter (1) of an n-rank group."""
+def ring_seconds(nbytes: float, n: int, bw_lat: tuple[float, float], phases: int = 2,
+                 base: float = GPU.collective_latency) -> float:
+    """A ring all-reduce (phases=2) or all-gather / reduce-scatter (1) of an n-rank group: its
+    steps' bytes and latencies (ring_link), and NCCL's base latency once."""
     if n == 1:
         return 0.0
     bw, lat = bw_lat
-    return phases * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
+    return phases * ((n - 1) / n * nbytes / bw + (n - 1) * lat) + base
 
 
 def cpu(peak_flops: float, mem_bw: float, link_bw: float, latency: float) -> GPU:
@@ -172,7 +188,7 @@ def cpu(peak_flops: float, mem_bw: float, link_bw: float, latency: float) -> GPU
     it runs: nothing sustained to discount)."""
     return GPU("this CPU", peak_flops, 64 * GIB, mem_bw, link_bw, link_bw, sms=1, matmul_eff=1.0,
                sustained=1.0, hbm_eff=1.0, nvlink_eff=1.0, net_eff=1.0, nvlink_latency=latency,
-               net_latency=latency)
+               net_latency=latency, collective_latency=0.0)
 
 
 __all__ = ["GIB", "GPU", "GPUS", "GPUS_PER_NODE", "OTHER_PEAKS", "gpu", "peak_of", "nic_share",

@@ -97,7 +97,7 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
     memory_bound = (passes * ew_fwd_rest + core_passes * ew_fwd_core) / (g.hbm_bw * g.hbm_eff)
 
     n_ar = 6 if par.recompute == "full" else 4
-    one = ring_seconds(2 * E, t, link("tp", par, cluster))
+    one = ring_seconds(2 * E, t, link("tp", par, cluster), base=cluster.gpu.collective_latency)
     tp = n_ar * one
     inside = members_per_node("tp", par, cluster.gpus_per_node) >= t
     if sw.overlap_tp and t > 1 and inside:   # chunked collective-GEMM pipelines: the first of t chunks shows
@@ -128,5 +128,5 @@ def head_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int) ->
     g, rows = cluster.gpu, par.micro_batch * seq // par.cp
     f, w = _linear_seconds(rows, cfg.vocab_size // par.tp, cfg.hidden, g)
     cross_entropy = 12 * rows * cfg.vocab_size / par.tp / (g.hbm_bw * g.hbm_eff)
-    tp = 2 * ring_seconds(2 * rows * cfg.hidden, par.tp, link("tp", par, cluster))
+    tp = 2 * ring_seconds(2 * rows * cfg.hidden, par.tp, link("tp", par, cluster), base=cluster.gpu.collective_latency)
     return {"compute": f + w, "memory-bound ops": cross_entropy, "TP comm": tp}

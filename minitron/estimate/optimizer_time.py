@@ -57,14 +57,14 @@ def dp_seconds(cfg, par, cluster, sw, m, compute_mb) -> float:
     dense, expert = params_per_rank(cfg, par)
     groups = ((dense, par.dp * par.cp * par.ep), (expert, par.dp * par.cp))
     bw_lat = link("dp", par, cluster)
-    gbytes = sw.grad_reduce_bytes
+    gbytes, base = sw.grad_reduce_bytes, cluster.gpu.collective_latency
     if par.zero == 3:            # per micro-batch: gather (fwd), gather (bwd), reduce-scatter
-        per_mb = sum(ring_seconds(2 * psi, n, bw_lat, 1) * 2 + ring_seconds(gbytes * psi, n, bw_lat, 1)
+        per_mb = sum(2 * ring_seconds(2 * psi, n, bw_lat, 1, base) + ring_seconds(gbytes * psi, n, bw_lat, 1, base)
                      for psi, n in groups if psi)
         if sw.overlap_dp:
             return m * (max(0.0, per_mb - compute_mb) + per_mb / 25)
         return m * per_mb
-    sync = sum(ring_seconds(gbytes * psi, n, bw_lat) for psi, n in groups if psi)
+    sync = sum(ring_seconds(gbytes * psi, n, bw_lat, base=base) for psi, n in groups if psi)
     if sw.overlap_dp and (par.pp == 1 or sw.overlap_dp_with_pipeline):
         window = compute_mb * 2 / 3          # the last micro-batch's backward
         return max(0.0, sync - window) + sync / 25   # and its last bucket (~25 buckets)

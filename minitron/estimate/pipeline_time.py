@@ -54,5 +54,5 @@ def _exchange_seconds(cfg, par, cluster, sw, seq) -> float:
     bw, lat = link("pp", par, cluster, point_to_point=True)
     send = (full / par.tp if split else full) / bw + lat
     if sw.pp_scatter_gather and not par.sp:
-        send += ring_seconds(full, par.tp, link("tp", par, cluster), phases=1)
+        send += ring_seconds(full, par.tp, link("tp", par, cluster), phases=1, base=cluster.gpu.collective_latency)
     return send

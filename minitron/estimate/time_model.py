@@ -26,9 +26,9 @@ A group's bandwidth is minitron/hardware.py's link model: inside a node, NVLink'
 collective that crosses nodes with k members per node gets k NICs' worth (NCCL's rings leave the
 node once per NIC), at most NVLink's; a send (PP) or an all-to-all (EP) leaves through the GPU's
 own NIC. Members per node follow the tp-cp-ep-dp-pp rank layout of minitron/grid/ (tp fastest).
-Latency is alpha-beta per ring step: a ring collective of n ranks takes n - 1 steps per phase and
-pays the link's latency (hardware.GPU.*_latency, one hop's) at each, so it grows linearly with the
-group as NCCL's ring algorithm does.
+Latency is NCCL's own model (hardware.py): a ring collective of n ranks takes n - 1 steps per
+phase, each at the latency of its link (inside a node or across), plus one base latency per
+collective, so it grows linearly with the group as NCCL's ring algorithm does.
 """
 from __future__ import annotations
 
