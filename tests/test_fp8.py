@@ -152,7 +152,7 @@ def test_verify_fp8_passes_against_one_device_in_fp8(tp, sp, recipe):
         assert all(r.err == 0 for r in scales), report.table()
     else:              # rounding noise is there (the check is not vacuous), inside its bar
         assert max(r.err for r in report.rows if r.quantity == "logits") > 2 ** -10
-        assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 2, report.table()
+        assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 3, report.table()
 
 
 FP8_PLANTS = [("fp8-stale-amax", "delayed"), ("fp8-double-scale", "current"), ("fp8-unscaled", "current"),

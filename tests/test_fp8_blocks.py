@@ -220,7 +220,7 @@ def test_mx_tiles_along_the_wrong_dim_fail_where_a_one_binade_bar_passed_them():
     """Under mxfp8 tiles along the wrong dimension move some scalers' largest block scale by 2 to
     5 binades, and only the scale row sees it (a power-of-two rescale of a block rounds its
     elements alike). A twin's scale may sit one binade off by a rounding; at this seed one does,
-    and a bar of C_NORM x that binade passed the plant, 3 binades off. The row counts the binades
+    and a bar of 4 x that binade passed the plant, 3 binades off. The row counts the binades
     beyond the one a rounding can flip (fp8_rows.amax_binades)."""
     report = _verify("mxfp8", "fp8-block-wrong-dim", seed=2, n_heads=4)
     bad = [r for r in report.failures if r.quantity == "fp8 scales (log2)"]

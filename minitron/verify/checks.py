@@ -10,7 +10,7 @@ import them by. Each lives in a file of its own:
 from __future__ import annotations
 
 from .float32_rows import grad_rows, pattern, sum_rows, ulp, update_err, update_rows
-from .noise_rows import C_ALONG, C_NORM, NOISY, NoiseStats, noise_rows, noise_stats
+from .noise_rows import C_ALONG, C_NORM, C_SCALE, NOISY, NoiseStats, noise_rows, noise_stats
 from .replica_rows import replica_groups, replica_rows
 from .report import Report, Row
 from .tolerances import (C_SUM, C_UPDATE, EPS32, FLOOR, ULP_SLACK, float32_tolerance, longest_sum,
@@ -18,5 +18,5 @@ from .tolerances import (C_SUM, C_UPDATE, EPS32, FLOOR, ULP_SLACK, float32_toler
 
 __all__ = ["EPS32", "C_SUM", "C_UPDATE", "ULP_SLACK", "FLOOR", "longest_sum", "float32_tolerance",
            "update_tolerance", "Row", "Report", "pattern", "grad_rows", "ulp", "update_err",
-           "update_rows", "sum_rows", "C_NORM", "C_ALONG", "NOISY", "NoiseStats", "noise_stats",
+           "update_rows", "sum_rows", "C_NORM", "C_ALONG", "C_SCALE", "NOISY", "NoiseStats", "noise_stats",
            "noise_rows", "replica_groups", "replica_rows"]

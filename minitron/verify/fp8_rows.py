@@ -8,7 +8,7 @@ import torch
 from ..runtime import comm
 from ..tensor_parallel.fp8_batched import ExpertState
 from ..tensor_parallel.fp8_linear import SCALERS, named_fp8_states
-from .checks import C_NORM, Row
+from .checks import C_SCALE, Row
 
 
 def _scale_names(ref) -> list[tuple[str, int]]:
@@ -44,7 +44,7 @@ def amax_binades(scales: torch.Tensor, reference: torch.Tensor, pow2) -> torch.T
     rounding below 2^e and one a rounding above it give scales one binade apart (seen in the
     twins, and in correct splits: at most 1 scaler of 24 a step, tp2+SP, hidden 32, seeds 0-3),
     so one binade carries no information; k binades apart means the amaxes are at least 2^(k-1)
-    apart. Without the clip a twin's one-binade flip made the bar C_NORM = 4 binades, and tiles
+    apart. Without the clip a twin's one-binade flip made the bar 4 binades (C_NORM x 1), and tiles
     along the wrong dimension (plant fp8-block-wrong-dim: 3 binades off at seed 2) passed."""
     off = (scales.double() / reference.double()).log2().abs()
     return torch.where(torch.as_tensor(pow2, device=off.device), (off - 1).clamp(min=0), off)
@@ -63,7 +63,7 @@ def _binade_clipped(ref) -> torch.Tensor:
 
 def scale_row(step: int, scales: torch.Tensor, ref, twins) -> Row:
     """With the amaxes reduced over tp x cp x ep x dp every cast must use the scale one device uses:
-    the largest amax_binades(scale, the reference's) over every scaler, against C_NORM times the
+    the largest amax_binades(scale, the reference's) over every scaler, against C_SCALE times the
     twins' (at least SCALE_FLOOR: 4%, a few roundings of a bf16 amax)."""
     def of(model):
         states = named_fp8_states(model)
@@ -75,9 +75,9 @@ def scale_row(step: int, scales: torch.Tensor, ref, twins) -> Row:
     diffs = off(scales)
     err, worst = float(diffs.max()), int(diffs.argmax())
     name, k = _scale_names(ref)[worst]
-    detail = "" if err <= C_NORM * floor else (
+    detail = "" if err <= C_SCALE * floor else (
         f"{name} {SCALERS[k]} scale {float(scales[worst]):.4g}, one device's {float(r[worst]):.4g}")
-    return Row(step, "fp8 scales (log2)", err, C_NORM * floor, detail)
+    return Row(step, "fp8 scales (log2)", err, C_SCALE * floor, detail)
 
 
 def pow2_row(step: int, scales: torch.Tensor, ref) -> Row:
