@@ -9,6 +9,11 @@ set it. A correct run's margin is its smallest tol/err (PASS needs > 1); a plant
 err/tol (FAIL needs > 1). The aim is 3 or more both ways. The shape is small, so that the whole
 table runs in a few minutes on two cores: tp 2 with SP, vocab 64, seq 8, hidden 32, 2 layers,
 4 heads, dropout 0.1, 2 steps (the command line below prints each run's own).
+
+Known under 3: grad under FP8 (3.9%, as in bfloat16) fails by only 0.3-0.8 at seeds 0-1, i.e.
+passes: the gradients of FP8 GEMMs (E5M2 operands in dW) carry FP8's own noise, so along the
+reference a 3.9% error is 4.5-12 noise units where correct FP8 splits reach 3.0. The table says so
+rather than hiding it.
 """
 from __future__ import annotations
 
@@ -28,9 +33,9 @@ FLAGS = "--tp 2 --sp --vocab 64 --seq 8 --hidden 32 --layers 2 --heads 4 --dropo
 PLANTS = {
     "bfloat16": [None, "grad", "update"],
     "float16": [None, "grad", "update", "fp16-unscaled-loss"],
-    "fp8-delayed": [None, "fp8-unscaled", "fp8-e5m2-forward", "fp8-stale-amax", "fp8-wrong-amax",
+    "fp8-delayed": [None, "grad", "fp8-unscaled", "fp8-e5m2-forward", "fp8-stale-amax", "fp8-wrong-amax",
                     "fp8-double-scale"],
-    "fp8-current": [None, "fp8-unscaled", "fp8-e5m2-forward", "fp8-wrong-amax", "fp8-double-scale"],
+    "fp8-current": [None, "grad", "fp8-unscaled", "fp8-e5m2-forward", "fp8-wrong-amax", "fp8-double-scale"],
     "fp8-blockwise": [None, "fp8-block-per-tensor", "fp8-block-wrong-dim"],
     "fp8-mxfp8": [None, "fp8-block-per-tensor", "fp8-mx-scale-not-pow2", "fp8-block-wrong-dim"],
 }
