@@ -10,7 +10,8 @@ Each pipeline rank walks its own action list (pipeline/actions.py) in order:
       the stage's output that arrived; leaves dL/d(input) to send back.
   B   the same, but the linear layers queue their weight-gradient GEMMs (weight_grad.py)
   W   run the queued weight-gradient GEMMs of that (micro-batch, stage)
-  SEND_*/RECV_*  consecutive message actions are posted together as one batch (p2p.py)
+  SEND_*/RECV_*  consecutive message actions are posted together as one batch (p2p.py); its
+      receives are waited for at once, its sends when the next batch is posted (or the step ends)
 An overlapped (F, BW) pair (Schedule.overlapped, DualPipeV) runs as one where the stages have
 an MoE all-to-all to hide: each half's all-to-alls in flight while the other computes (pairs.py).
 
@@ -108,6 +109,8 @@ class _Run:
         self.logits, self.input_grads = [None] * m, [None] * m
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.on_cuda = self.device.type == "cuda"
+        self.sends = None                # the last batch's sends, still in flight (p2p.exchange)
         # only a tracked run walks the parameters for it (off: peak_* stay 0)
         self.memory = ActivationMemory([*model.parameters(), tokens, targets] if track_memory else [])
         self.track_memory = track_memory
@@ -122,7 +125,8 @@ class _Run:
         with capture, recording:
             if s == 0:
                 x = model.embed(self.tokens[mb])
-                x.retain_grad()                 # dL/dX: the verifier compares it
+                if self.keep:
+                    x.retain_grad()             # dL/dX: the verifier compares it
             else:
                 x = self.inputs[(mb, s)]
             self.inputs[(mb, s)] = x
@@ -187,7 +191,7 @@ class _Run:
 
     def _ran(self, ran: list[tuple[Action, float, float | None]]) -> None:
         """Record the actions just run (end None: now, after the device's kernels)."""
-        if self.device.type == "cuda":
+        if self.on_cuda:
             torch.cuda.synchronize(self.device)    # the kernels' end, not their launch
         now = time.perf_counter()
         for action, start, end in ran:
@@ -204,12 +208,19 @@ class _Run:
                 outgoing[a] = self.outputs[(a.microbatch, a.stage)]
             elif a.kind == SEND_B:
                 outgoing[a] = self.grad_in.pop((a.microbatch, a.stage))
-        received = exchange(batch, outgoing, self.shape, self.dtype, self.device, self.grid.pp)
+        self.wait_for_sends()            # long arrived by now: keeps one batch's sends alive at most
+        received, self.sends = exchange(batch, outgoing, self.shape, self.dtype, self.device,
+                                        self.grid.pp)
         for a, t in received.items():
             if a.kind == RECV_F:
                 self.inputs[(a.microbatch, a.stage)] = t.requires_grad_()
             else:
                 self.grad_out[(a.microbatch, a.stage)] = t
+
+    def wait_for_sends(self) -> None:
+        if self.sends is not None:
+            self.sends.wait()
+            self.sends = None
 
     def run(self, actions, on_last_backward=None, overlap: bool = False) -> None:
         batch: list[Action] = []
@@ -236,6 +247,7 @@ class _Run:
                 batch.append(action)
         if batch:
             self.messages(batch)
+        self.wait_for_sends()
 
 
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,

@@ -10,8 +10,9 @@ sends them to the rank with the same (tp, cp, dp) coordinates on the next stage:
 and posts the receive.
 
 A run of consecutive message actions (pipeline/actions.py) is posted as one batch through
-comm.exchange (batch_isend_irecv, counted), so two neighbours that send to each other at the
-same time (1F1B's send_forward_recv_backward) do not deadlock. Messages are posted in the
+comm_async.exchange (batch_isend_irecv, counted), so two neighbours that send to each other at
+the same time (1F1B's send_forward_recv_backward) do not deadlock. Only the receives are waited
+for at once; the sends are waited for at the end of the step (exchange below says why). Messages are posted in the
 schedule's order. NCCL and gloo match the messages from one rank to another in the order they
 were posted, not by content, so `check_message_order` refuses, before anything runs, a schedule
 whose receiver lists a sender's messages in another order than the sender (the tensors would
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import comm
+from ..runtime import comm, comm_async
 from ..grid import Grid
 from ..config import ModelConfig
 from .actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
@@ -70,20 +71,28 @@ def check_message_order(schedule: Schedule) -> None:
 
 
 def exchange(batch: list[Action], outgoing: dict[Action, torch.Tensor], shape: tuple[int, ...],
-             dtype: torch.dtype, device: torch.device, group: comm.Group) -> dict[Action, torch.Tensor]:
-    """Post one batch of message actions; returns the received tensors by their RECV action.
+             dtype: torch.dtype, device: torch.device, group: comm.Group
+             ) -> tuple[dict[Action, torch.Tensor], comm_async.Pending | None]:
+    """Post one batch of message actions and wait for its receives only; returns the received
+    tensors by their RECV action, and the sends still in flight (None if there are none).
 
-    `outgoing` holds the tensor of every SEND action in the batch."""
-    ops, received = [], {}
+    `outgoing` holds the tensor of every SEND action in the batch. A send is not waited for
+    here: the sender carries on computing while the bytes travel, as torch's schedules do
+    (under gloo a send completes only once the receiver has posted its receive, so waiting
+    would stall the sender on the receiver). The caller keeps the Pending, which holds the
+    sent tensors alive, and waits for it before the step ends; nothing writes to a sent tensor."""
+    sends, recvs, received = [], [], {}
     for action in batch:
         if action.kind in (SEND_F, SEND_B):
             t = outgoing[action]
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{action}: the tensor to send is {tuple(t.shape)}, but every "
                                  f"stage-to-stage message is {tuple(shape)}")
-            ops.append(comm.P2P("send", t.detach().contiguous(), action.peer))
+            sends.append(comm.P2P("send", t.detach().contiguous(), action.peer))
         else:
             received[action] = torch.empty(shape, dtype=dtype, device=device)
-            ops.append(comm.P2P("recv", received[action], action.peer))
-    comm.exchange(ops, group)
-    return received
+            recvs.append(comm.P2P("recv", received[action], action.peer))
+    in_flight = comm_async.exchange(sends, group) if sends else None
+    if recvs:
+        comm_async.exchange(recvs, group).wait()
+    return received, in_flight
