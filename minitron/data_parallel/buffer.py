@@ -154,10 +154,11 @@ class GroupBuffer:
         buckets = self.layout.buckets
         self.owned = self.layout.owned(r, n) if stage >= 1 else [(b.start, b.end) for b in buckets]
         self.grads_flat = self.grad_shard = None
+        self.grad_views: dict[nn.Parameter, torch.Tensor] = {}   # stages 0/1: p's piece of grads_flat
         if stage < 2:
             self.grads_flat = torch.zeros_like(self.params_flat)
-            for p in params:
-                p.grad = self.layout.view(self.grads_flat, p)
+            for p in params:     # made once: the hooks run every step, a view costs 3 tensor ops
+                p.grad = self.grad_views[p] = self.layout.view(self.grads_flat, p)
         else:
             self.grad_shard = torch.zeros(sum(e - s for s, e in self.owned), dtype=first.dtype,
                                           device=first.device)
@@ -181,7 +182,7 @@ class GroupBuffer:
     def grad_pieces(self, p: nn.Parameter) -> list[tuple[int, torch.Tensor]]:
         """(index into p.view(-1), 1-D view) for each piece of p's gradient this rank keeps."""
         if self.stage == 0:
-            return [(0, self.layout.view(self.grads_flat, p).view(-1))]
+            return [(0, self.grad_views[p].view(-1))]
         o = self.layout.offset[p]
         store = self.grad_shard if self.stage == 2 else None
         return [(i, store[j:j + ln] if store is not None else self.grads_flat[o + i:o + i + ln])
@@ -196,7 +197,7 @@ class GroupBuffer:
         `final` (the backward that sends it): the copy also multiplies by 1/n, so launch has
         no pass of its own to make over this piece (DDP's mul_out; the same multiply, so the
         same bits)."""
-        view = self.layout.view(self.grads_flat, p)
+        view = self.grad_views[p]
         if p.grad is None:
             # Nothing accumulated yet: a zero-bubble B calls the hook of a weight whose gradient
             # its deferred W will add later (tensor_parallel/weight_grad.py). The view still holds
@@ -218,12 +219,12 @@ class GroupBuffer:
             return
         for p in self.layout.buckets[b].params:
             if p.grad is None:
-                p.grad = self.layout.view(self.grads_flat, p).zero_()
+                p.grad = self.grad_views[p].zero_()
 
     def sum_shared(self, group) -> None:
         """A pipeline's tied embedding: add the other stage's copy's gradient (before averaging
         over dp, so both stages' copies are reduced alike whatever ZeRO keeps of them)."""
-        grads = [self.layout.view(self.grads_flat, p) if self.stage < 2 else p.grad for p in self.shared]
+        grads = [self.grad_views[p] if self.stage < 2 else p.grad for p in self.shared]
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.shared)]
         flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
         offset = 0
@@ -243,7 +244,7 @@ class GroupBuffer:
                 data.mul_(self.scale)             # one pass (padding included: zeros stay zeros)
             elif averaged:
                 for p in left:
-                    self.layout.view(self.grads_flat, p).mul_(self.scale)
+                    self.grad_views[p].mul_(self.scale)
         else:   # copy the bucket out of .grad (scaled on the way), free .grad: only the shard stays
             data = torch.zeros(bucket.numel, dtype=self.params_flat.dtype, device=self.params_flat.device)
             for p in bucket.params:

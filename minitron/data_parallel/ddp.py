@@ -124,6 +124,10 @@ class DataParallel(GradientEngine):
         self.buffers = [GroupBuffer(ps, g, zero_stage, scale, bucket_numel)
                         for g, ps in by_group.values()]
         self.buffer_of = {p: gb for gb in self.buffers for p in gb.layout.params}
+        # what the hook needs of each parameter, found once: (its buffer, its bucket, whether
+        # that bucket is the late one that finish_grad_sync starts)
+        self._slot = {p: (gb, gb.layout.bucket_of[p], gb.layout.bucket_of[p] == gb.late_bucket)
+                      for gb in self.buffers for p in gb.layout.params}
         self.sync_enabled = True
         self.events: list[tuple[str, object, float]] = []   # (what, bucket or name, time): the overlap
         self.collectives: list[tuple[int, comm_async.Pending]] = []   # (bucket, its collective)
@@ -234,18 +238,17 @@ class DataParallel(GradientEngine):
 
     # ---- hooks -----------------------------------------------------------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        gb = self.buffer_of[p]
+        gb, b, late = self._slot[p]
         if self.zero_stage < 2:
-            gb.adopt_grad(p, final=self.sync_enabled and gb.layout.bucket_of[p] != gb.late_bucket)
+            gb.adopt_grad(p, final=self.sync_enabled and not late)
         if not self.sync_enabled:
             return
         self.events.append(("grad", self.names[p], time.perf_counter()))
-        b = gb.layout.bucket_of[p]
-        if b == gb.late_bucket:
+        if late:
             return                            # started by finish_grad_sync, after sum_shared
         gb.ready[b] += 1
-        while (gb.next_launch < len(gb.layout.buckets)
-               and gb.ready[gb.next_launch] == len(gb.layout.buckets[gb.next_launch].params)):
+        buckets = gb.layout.buckets
+        while gb.next_launch < len(buckets) and gb.ready[gb.next_launch] == len(buckets[gb.next_launch].params):
             self._launch(gb, gb.next_launch)
 
     def _launch(self, gb: GroupBuffer, b: int) -> None:
