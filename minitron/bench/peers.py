@@ -7,7 +7,8 @@ two implementations differ; the optimizer is left out (on CPU minitron's AdamW s
 own fused kernel, fed whole 64-byte units: kernels/ops.py).
 
   DataParallel        vs  torch DDP (DistributedDataParallel, gradient_as_bucket_view, the
-                          same bucket size); each rank trains on its half of the batch
+                          same bucket size; DDP caps its first bucket at 1 MB whatever the
+                          size, minitron does not); each rank trains on its half of the batch
   ZeroStage3          vs  FSDP2 (torch.distributed.fsdp.fully_shard on the same units: the
                           embedding, each layer, the final norm, the output layer)
   1F1B executor       vs  torch.distributed.pipelining.Schedule1F1B, 2 stages, 4 micro-batches
@@ -15,18 +16,26 @@ own fused kernel, fed whole 64-byte units: kernels/ops.py).
                           output layer column-parallel, out and fc2 row-parallel, the embedding
                           row-parallel, the cross-entropy under loss_parallel)
 
-The torch side runs the reference GPT's own modules (PeerGPT: the output layer is called as a
-module, so FSDP2's and DTensor's hooks see it). Before anything is timed, both sides take a
+The same model on both sides wherever torch's wrapper allows it, so that a pair times the two
+engines and not two implementations of the GPT (ParallelGPT's forward at tp=1 is ~5% slower
+than the reference's modules' at this size, its backward ~1% faster: bench overhead's
+business, not these pairs'): DDP wraps a ParallelGPT built like minitron's, and torch's
+pipeline stages run a PipelineGPT's stage_forward and loss. FSDP2 and DTensor need torch's own
+module structure, so there the torch side runs the reference GPT's own modules (PeerGPT: the
+output layer is called as a module, so FSDP2's and DTensor's hooks see it). Before anything is timed, both sides take a
 step and their losses must agree within verify's float32 tolerance: the two compute the same
 thing. Then rounds: in each, both sides take one step (which goes first alternates), each
 between two barriers, so its wall time is the slower rank's. The ratio is minitron / torch
 within a round, its median over the rounds printed with the quartiles beside it: the spread a
-busy machine puts on it. At or below 1.0 (within the spread) is the aim.
+busy machine puts on it. Beside it the same ratio of CPU time, both ranks' process time (every
+thread, gloo's included) summed: the work each side does, which a shared machine disturbs far
+less than the wall clock. At or below 1.0 (within the spread) is the aim.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 
@@ -79,12 +88,20 @@ def _rows(tokens, targets):
 
 
 # Each pair: (minitron's step, torch's step), each returning this rank's loss (or None).
-def _replica_pair(cfg, tokens, targets, make_engine, wrap_peer):
+def _replica_pair(cfg, tokens, targets, make_engine, wrap_peer, same_model: bool = False):
     """A data-parallel pair: minitron's engine around a ParallelGPT at dp=2, torch's wrapper
-    around the reference's own modules, each stepping on this replica's rows."""
+    around another ParallelGPT (same_model) or the reference's own modules, each stepping on
+    this replica's rows."""
     tokens, targets = _rows(tokens, targets)
     model = ParallelGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(dp=2)))
-    engine, peer = make_engine(model), wrap_peer(PeerGPT(GPT(cfg, seed=0)))
+    engine = make_engine(model)
+    if same_model:
+        twin = ParallelGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(dp=2)))
+        peer = wrap_peer(twin)
+        peer_loss = lambda: peer(tokens, targets)[1]          # noqa: E731
+    else:
+        peer = wrap_peer(PeerGPT(GPT(cfg, seed=0)))
+        peer_loss = lambda: _loss(peer(tokens), targets)       # noqa: E731
 
     def ours():
         engine.zero_grad()
@@ -95,7 +112,7 @@ def _replica_pair(cfg, tokens, targets, make_engine, wrap_peer):
 
     def theirs():
         peer.zero_grad(set_to_none=True)
-        loss = _loss(peer(tokens), targets)
+        loss = peer_loss()
         loss.backward()
         return loss
     return ours, theirs
@@ -107,7 +124,7 @@ def _data_parallel(cfg, tokens, targets, bucket_mb: float):
     return _replica_pair(
         cfg, tokens, targets,
         lambda model: DataParallel(model, model.grid, bucket_numel=int(bucket_mb * 2**20) // 4),
-        lambda peer: DDP(peer, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True))
+        lambda peer: DDP(peer, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True), same_model=True)
 
 
 def _zero3(cfg, tokens, targets):
@@ -123,23 +140,15 @@ def _zero3(cfg, tokens, targets):
 
 
 class _Stage(nn.Module):
-    """Pipeline stage s of 2 from the reference's own modules, cut as minitron cuts."""
+    """Pipeline stage s of a PipelineGPT as torch's one-tensor-in, one-tensor-out stage module:
+    the very computation minitron's executor runs for it (embed on stage 0, stage_forward)."""
 
-    def __init__(self, ref: GPT, s: int):
+    def __init__(self, model, s: int):
         super().__init__()
-        from ..model.convert import stage_layers
-        self.first, self.last, self.rng = s == 0, s == 1, ref.rng
-        if self.first:
-            self.embedding = ref.embedding
-        self.layers = nn.ModuleList(ref.layers[i] for i in stage_layers(ref.cfg, s, 2))
-        if self.last:
-            self.final_norm, self.lm_head = ref.final_norm, ref.lm_head
+        self.model, self.s = model, s
 
     def forward(self, x):
-        x = self.embedding(x) if self.first else x
-        for layer in self.layers:
-            x = layer(x, self.rng)
-        return self.lm_head(self.final_norm(x)) if self.last else x
+        return self.model.stage_forward(self.s, self.model.embed(x) if self.s == 0 else x)
 
 
 def _pipeline(cfg, tokens, targets):
@@ -149,14 +158,14 @@ def _pipeline(cfg, tokens, targets):
     from ..model.stages import PipelineGPT
     m, rank = MICROBATCHES, dist.get_rank()
     schedule = make_schedule("1f1b", 2, m)
-    model = PipelineGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(pp=2)),
-                                       placement=schedule.stage_rank)
+    model, twin = (PipelineGPT.from_reference(GPT(cfg, seed=0), build_grid(ParallelConfig(pp=2)),
+                                              placement=schedule.stage_rank) for _ in range(2))
     mbs = tokens.shape[0] // m
     act = torch.zeros(mbs, cfg.seq_len, cfg.hidden, requires_grad=True)
     out = torch.zeros(mbs, cfg.seq_len, cfg.vocab_size if rank == 1 else cfg.hidden, requires_grad=True)
-    stage = pipelining.PipelineStage(_Stage(GPT(cfg, seed=0), rank), rank, 2, torch.device("cpu"),
+    stage = pipelining.PipelineStage(_Stage(twin, rank), rank, 2, torch.device("cpu"),
                                      input_args=tokens[:mbs] if rank == 0 else act, output_args=out)
-    peer = pipelining.Schedule1F1B(stage, m, loss_fn=lambda y, t: _loss(y, t) / m, scale_grads=False)
+    peer = pipelining.Schedule1F1B(stage, m, loss_fn=lambda y, t: twin.loss(y, t) / m, scale_grads=False)
 
     def ours():
         model.zero_grad(set_to_none=True)
@@ -204,12 +213,14 @@ def _tensor_parallel(cfg, tokens, targets):
     return ours, theirs
 
 
-def _timed(step, world) -> tuple[float, object]:
+def _timed(step, world) -> tuple[float, float]:
+    """(wall seconds to the slower rank's end, this rank's CPU seconds in the step)."""
     comm.barrier(world)
-    t0 = time.perf_counter()
-    loss = step()
+    t0, c0 = time.perf_counter(), time.process_time()
+    step()
+    c1 = time.process_time()
     comm.barrier(world)
-    return time.perf_counter() - t0, loss
+    return time.perf_counter() - t0, c1 - c0
 
 
 def _peers_rank(cfg: ModelConfig, batch: int, rounds: int, warmup: int) -> dict:
@@ -226,12 +237,13 @@ def _peers_rank(cfg: ModelConfig, batch: int, rounds: int, warmup: int) -> dict:
         losses = [None if x is None else float(x.detach()) for x in (ours(), theirs())]
         for _ in range(warmup):
             ours(), theirs()
-        times = []
+        times, cpu = [], []
         for i in range(rounds):        # alternate who goes first: neither always finds a warm cache
             a, b = (ours, theirs) if i % 2 == 0 else (theirs, ours)
-            ta, tb = _timed(a, world)[0], _timed(b, world)[0]
-            times.append((ta, tb) if i % 2 == 0 else (tb, ta))
-        out[name] = {"losses": losses, "times": times}
+            (wa, ca), (wb, cb) = _timed(a, world), _timed(b, world)
+            times.append((wa, wb) if i % 2 == 0 else (wb, wa))
+            cpu.append((ca, cb) if i % 2 == 0 else (cb, ca))
+        out[name] = {"losses": losses, "times": times, "cpu": cpu}
         del ours, theirs
     return out
 
@@ -246,17 +258,21 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 def summarize(ranks: list[dict], cfg: ModelConfig, batch: int) -> list[dict]:
     """Per pair: the losses on both sides (checked), both sides' median wall ms, the ratio's
-    quartiles over the rounds (rank 0's clock: the steps end at a barrier, so both ranks')."""
+    quartiles over the rounds (rank 0's clock: the steps end at a barrier, so both ranks'), and
+    the median ratio of the two ranks' summed CPU time."""
     tol = float32_tolerance(cfg, batch, cfg.seq_len)
     rows = []
     for name in PAIRS:
         pairs = [r[name]["losses"] for r in ranks if r[name]["losses"][0] is not None]
         worst = max(abs(a - b) / max(abs(b), 1.0) for a, b in pairs)
         times = ranks[0][name]["times"]
+        # CPU: both ranks' process time (every thread: gloo's too) in the round, ours / theirs
+        cpu = [[sum(c) for c in zip(*per_rank)] for per_rank in zip(*(r[name].get("cpu", []) for r in ranks))]
         rows.append({"pair": name, "loss": pairs[0], "loss_error": worst, "tolerance": tol,
                      "same_loss": worst <= tol,
                      "ms": tuple(1e3 * statistics.median(t[k] for t in times) for k in (0, 1)),
-                     "ratio": quartiles([a / b for a, b in times])})
+                     "ratio": quartiles([a / b for a, b in times]),
+                     "cpu_ratio": statistics.median(a / b for a, b in cpu) if cpu else float("nan")})
     return rows
 
 
@@ -281,7 +297,7 @@ def run(argv: list[str] | None = None) -> int:
     print(f"step:    forward + backward + gradient sync, no optimizer; 2 gloo ranks, batch "
           f"{args.batch} x {cfg.seq_len}, fp32; {rounds} interleaved rounds after {warmup} warm-up")
     print(f"{'pair':34}{'loss (minitron / torch)':>26}{'minitron ms':>13}{'torch ms':>10}"
-          f"{'ratio':>7}  {'IQR':11} verdict")
+          f"{'ratio':>7}  {'IQR':11} {'CPU':>4}   verdict")
     failed = False
     for r in rows:
         q1, med, q3 = r["ratio"]
@@ -289,7 +305,9 @@ def run(argv: list[str] | None = None) -> int:
         if not r["same_loss"]:
             verdict, failed = f"LOSSES DIFFER by {r['loss_error']:.1e} (tolerance {r['tolerance']:.1e})", True
         print(f"{r['pair']:34}{r['loss'][0]:>13.5f} / {r['loss'][1]:<10.5f}{r['ms'][0]:13.1f}"
-              f"{r['ms'][1]:10.1f}{med:7.2f}  {q1:.2f}-{q3:.2f}   {verdict}")
+              f"{r['ms'][1]:10.1f}{med:7.2f}  {q1:.2f}-{q3:.2f}   {r['cpu_ratio']:.2f}   {verdict}")
     print("ratio: minitron's wall time over torch's in the same round, median over rounds; "
-          "IQR: its quartiles")
+          "IQR: its quartiles; CPU: the same ratio of both ranks' CPU time (all threads), the\n"
+          "work itself, which other jobs on a shared machine disturb far less than the wall clock; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
     return 1 if failed else 0
