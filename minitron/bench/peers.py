@@ -7,8 +7,9 @@ two implementations differ; the optimizer is left out (on CPU minitron's AdamW s
 own fused kernel, fed whole 64-byte units: kernels/ops.py).
 
   DataParallel        vs  torch DDP (DistributedDataParallel, gradient_as_bucket_view, the
-                          same bucket size; DDP caps its first bucket at 1 MB whatever the
-                          size, minitron does not); each rank trains on its half of the batch
+                          same bucket size: given bucket_cap_mb, DDP's first bucket has it
+                          too, so both sides send 1 all-reduce per step at 25 MB and 14 at
+                          1 MB); each rank trains on its half of the batch
   ZeroStage3          vs  FSDP2 (torch.distributed.fsdp.fully_shard on the same units: the
                           embedding, each layer, the final norm, the output layer)
   1F1B executor       vs  torch.distributed.pipelining.Schedule1F1B, 2 stages, 4 micro-batches
