@@ -165,7 +165,7 @@ def _wait_for_replies(ranks: list[_Rank], replies: dict[int, tuple], timeout: fl
                                     f"while in: {r.doing()}") from None
                 sentinels.pop(r.process.sentinel, None)
                 if replies[r.rank][0] == "error":
-                    _raise_if_a_peer_died(ranks, replies)  # then that death is the root cause
+                    _raise_if_a_peer_died(ranks, replies, str(replies[r.rank][1]))  # then that death is the root cause
                     _raise_if_a_peer_stalled(deadline, timeout, r, replies[r.rank][1],
                                              [o for o in ranks if o.rank not in replies])
                     others = [f"  rank {o.rank}: {o.doing()}" for o in ranks

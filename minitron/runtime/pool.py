@@ -82,7 +82,7 @@ class WorkerPool:
                     raise RankError(f"rank {r.rank} died with {_exit_reason(r.process.exitcode)} "
                                     f"while in: {r.doing()}") from None
                 if status == "error":
-                    _raise_if_a_peer_died(list(pending), {})  # then that death is the root cause
+                    _raise_if_a_peer_died(list(pending), {}, str(value))  # then that death is the root cause
                     _raise_if_a_peer_stalled(deadline, self.timeout, r, value, sorted(
                         pending, key=lambda o: o.rank))
                     raise RankError(f"rank {r.rank} raised:\n{value}")
