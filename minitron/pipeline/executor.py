@@ -15,9 +15,8 @@ Each pipeline rank walks its own action list (pipeline/actions.py) in order:
 An overlapped (F, BW) pair (Schedule.overlapped, DualPipeV) runs as one where the stages have
 an MoE all-to-all to hide: each half's all-to-alls in flight while the other computes (pairs.py).
 
-Beside it: pairs.py (the overlapped pairs, hides_all_to_all), aux_loss.py (carry_aux_loss: the
-routers' terms of a stage that is not the last), outputs.py (collect_outputs, for comparing with
-one device) and actions.last_backward_tail; each is importable from here as before.
+Beside it, each importable from here: pairs.py (the pairs, hides_all_to_all), aux_loss.py (the
+routers' terms of a stage not the last), outputs.py (collect_outputs), actions.last_backward_tail.
 
 After the last action the gradient fix-ups (PipelineGPT.finalize_grads): sequence-parallel sums
 over tp, the average over cp, the tied embedding over the first and last stage.
@@ -27,15 +26,13 @@ zigzag chunks of every micro-batch's sequences (context_parallel.shard_sequence)
 message carries s/cp tokens (p2p.message_shape) between ranks of equal (tp, cp, dp) coordinates.
 A rank's loss is the mean over its own tokens; the reported loss is their mean over cp.
 
-Dropout masks are keyed by (step seed, global layer, call, global batch row)
-(tensor_parallel/random.py), so before each F the executor says which global rows the
-micro-batch holds (`rng.rows_from`) and the stage names its global layers: the masks are the
-reference's whatever order the schedule runs the work in.
+Dropout masks are keyed by (step seed, global layer, call, global batch row) (tensor_parallel/
+random.py): before each F the executor names the micro-batch's global rows (`rng.rows_from`) and
+the stage its global layers, so the masks are the reference's in any order of the work.
 
-Every compute action is timed (time.perf_counter: one clock for every process on a machine)
-into actions.Event rows, so a real run gives an actions.Timeline of the same form as the
-simulator's, and the activation memory it keeps alive can be measured (memory.py): measure.py
-launches a schedule on real processes (after a barrier: one start line) and gathers both.
+Every compute action is timed (time.perf_counter: one clock for a machine's processes) into
+actions.Event rows: a real run's actions.Timeline has the simulator's form, and its live
+activation memory can be measured (memory.py); measure.py launches a schedule and gathers both.
 """
 from __future__ import annotations
 
@@ -63,11 +60,9 @@ from .outputs import collect_outputs  # noqa: F401  (a public name of this modul
 @dataclasses.dataclass
 class StepResult:
     """What one rank saw of one step (None where its stages do not produce it)."""
-    loss: torch.Tensor | None           # the batch's mean loss (sum of the scaled micro-batch losses,
-                                        # averaged over cp)
+    loss: torch.Tensor | None           # the batch's mean loss (the scaled micro-batches', cp's mean)
     logits: list[torch.Tensor] | None   # last stage: each micro-batch's logits shard [mb, s/cp, V/tp]
-    input_grads: list[torch.Tensor] | None   # stage 0: dL/dX of each micro-batch, X = embed(tokens
-                                             # of this cp rank; under SP its 1/tp of them)
+    input_grads: list[torch.Tensor] | None   # stage 0: dL/dX of each micro-batch (X: this rank's embed)
     events: list[Event]                 # this rank's compute actions, as run
     peak_bytes: int                     # activation bytes alive at the worst moment
     peak_alive: int                     # (micro-batch, stage) pairs whose activations were alive then
