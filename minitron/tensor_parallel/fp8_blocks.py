@@ -130,15 +130,14 @@ def quantize_blocks(x: torch.Tensor, fmt: torch.dtype, rows: int, cols: int, pow
 
 class BlockScaler:
     """One tensor's casts under a fine-grained recipe: no history, no scale carried between uses
-    (its state is the count of uses only: `history` and `scale` stay None, so a checkpoint keeps
-    nothing else). `last` is the largest block scale of the latest cast, the scale of its
-    smallest block: the max of the ranks' is one device's when no block spans two ranks, which
-    the verifier checks (verify/fp8_rows.py), as it checks a per-tensor scale."""
+    (its state is the count of uses only). Of the latest cast, `last` is the largest block scale
+    (its smallest block's: noisy) and `smallest` the smallest of the blocks not all zeros (the
+    whole tensor's amax's: stable); verify/fp8_rows.py checks both against one device's."""
 
     def __init__(self, fmt: torch.dtype, recipe):
         self.fmt, self.recipe = fmt, recipe
         self.pow2 = recipe.scaling == "mxfp8"
-        self.history = self.scale = self.last = None
+        self.history = self.scale = self.last = self.smallest = None
         self.uses = 0
 
     def cast(self, x: torch.Tensor, rows: int, cols: int) -> Blocks:
@@ -146,6 +145,8 @@ class BlockScaler:
         self.uses += 1
         blocks = self.quantize(x, rows, cols)
         self.last = blocks.s.max()
+        held = block_amax(blocks.q, blocks.rows, blocks.cols) > 0   # a zero block: scale 1, no amax
+        self.smallest = blocks.s[held].min() if held.any() else None
         return blocks
 
     def quantize(self, x: torch.Tensor, rows: int, cols: int) -> Blocks:

@@ -1,6 +1,7 @@
 """The FP8 scale rows of a verification (--dtype fp8): every scaler's latest scale against one
-device's (per-tensor recipes: the scale itself; blockwise and mxfp8: the largest block scale,
-tensor_parallel/fp8_blocks.BlockScaler.last), and under mxfp8 that each scale is a power of two."""
+device's (per-tensor recipes: the scale itself; blockwise and mxfp8: the largest block scale and
+the smallest, tensor_parallel/fp8_blocks.BlockScaler.last and .smallest), and under mxfp8 that
+each scale is a power of two."""
 from __future__ import annotations
 
 import torch
@@ -15,23 +16,36 @@ def _scale_names(ref) -> list[tuple[str, int]]:
     return [(name, k) for name in named_fp8_states(ref) for k in range(len(SCALERS))]
 
 
+def _fine_grained(ref) -> bool:
+    return next(iter(named_fp8_states(ref).values())).recipe.fine_grained
+
+
 def gathered_scales(model, ref, grid) -> torch.Tensor:
     """The latest scale of every FP8 scaler of the split model, in the reference's order, on
-    every rank (0 for a layer of another stage, or an expert of another ep rank; all-reduces,
-    max, over pp and ep, and over the amax group for a fine-grained recipe: collective)."""
-    mine = named_fp8_states(model)
-    out = torch.zeros(len(_scale_names(ref)), device=grid.device)
+    every rank; for a fine-grained recipe each scaler's largest block scale, then (a second
+    half) its smallest. All-reduces (collective) over pp and ep (a layer of another stage, or
+    an expert of another ep rank, gives 0) and, fine-grained, over the amax group: each rank's
+    largest block scale is its own blocks' (fp8_blocks.BlockScaler), and the largest of the
+    group's is the whole tensor's, one device's; the smallest goes as its reciprocal, amax / max,
+    whose max over the ranks (0 where absent) is the whole tensor's amax's (inf: no amax)."""
+    mine, names, fine = named_fp8_states(model), _scale_names(ref), _fine_grained(ref)
+    largest = torch.zeros(len(names), dtype=torch.float64, device=grid.device)
+    inverse_smallest = torch.zeros_like(largest)
     # a replica's (dp, cp, ep) gradients are of its own mean loss: dense_dp times the whole
     # batch's, so its gradient scales are 1/dense_dp of one device's (the casts are the same)
     replicas = grid.dense_dp.size
-    for i, (name, k) in enumerate(_scale_names(ref)):
-        if name in mine and mine[name].scalers()[k].last is not None:
-            out[i] = mine[name].scalers()[k].last * (replicas if SCALERS[k] == "grad" else 1)
-    if next(iter(named_fp8_states(ref).values())).recipe.fine_grained:
-        # a scale per block: each rank's `last` is its own blocks' largest (fp8_blocks.BlockScaler);
-        # the largest of the amax group's is the whole tensor's, one device's
+    for i, (name, k) in enumerate(names):
+        scaler = mine[name].scalers()[k] if name in mine else None
+        if scaler is not None and scaler.last is not None:
+            to_one_device = replicas if SCALERS[k] == "grad" else 1
+            largest[i] = scaler.last * to_one_device
+            if fine and scaler.smallest is not None:
+                inverse_smallest[i] = 1 / (scaler.smallest.double() * to_one_device)
+    out = torch.cat([largest, inverse_smallest]) if fine else largest
+    if fine:
         comm.all_reduce(out, grid.groups["amax"], op="max")
-    return comm.all_reduce(comm.all_reduce(out, grid.pp, op="max"), grid.ep, op="max")
+    out = comm.all_reduce(comm.all_reduce(out, grid.pp, op="max"), grid.ep, op="max")
+    return torch.cat([out[:len(names)], 1 / out[len(names):]]) if fine else out
 
 
 SCALE_FLOOR = 1 / 16   # log2: an amax one device and a split see a few bf16 roundings apart
@@ -51,39 +65,70 @@ def amax_binades(scales: torch.Tensor, reference: torch.Tensor, pow2) -> torch.T
 
 
 def _binade_clipped(ref) -> torch.Tensor:
-    """Per scaler: is it judged by amax_binades' clip. mxfp8's dense scalers are; an expert's are
-    not: its blocks along the tokens (dW's operands) hold the tokens in the dispatcher's order,
-    which under tp x SP is not one device's, so its largest block scale may sit 2 binades off in a
-    correct split (ep2 x tp2+SP, tests/test_fp8_experts.py); it keeps the unclipped log2, whose
-    bar the twins' own one-binade flips widen."""
+    """Per scale (gathered_scales' order): is it judged by amax_binades' clip. mxfp8's are, but an
+    expert's largest block scale: its blocks along the tokens (dW's operands) hold the tokens in
+    the dispatcher's order, which under tp x SP is not one device's, so that scale may sit 2
+    binades off in a correct split (ep2 x tp2+SP, tests/test_fp8_experts.py); it keeps the
+    unclipped log2, whose bar the twins' own one-binade flips widen. The smallest block scale is
+    the whole tensor's amax's, whatever the tokens' order."""
     states = named_fp8_states(ref)
-    return torch.tensor([states[n].recipe.scaling == "mxfp8" and not isinstance(states[n], ExpertState)
-                         for n, _ in _scale_names(ref)])
+    mx = [states[n].recipe.scaling == "mxfp8" for n, _ in _scale_names(ref)]
+    expert = [isinstance(states[n], ExpertState) for n, _ in _scale_names(ref)]
+    largest = [m and not e for m, e in zip(mx, expert)]
+    return torch.tensor(largest + mx if _fine_grained(ref) else largest)
+
+
+def _ref_scales(model, ref) -> torch.Tensor:
+    """gathered_scales' tensor of an unsplit model (the reference or a twin), float64."""
+    states, names = named_fp8_states(model), _scale_names(ref)
+    scalers = [states[n].scalers()[k] for n, k in names]
+    def value(scaler, kind):
+        s = getattr(scaler, kind)
+        return torch.tensor(float("inf")) if s is None else s.double().reshape(()).cpu()
+    kinds = ["last", "smallest"] if _fine_grained(ref) else ["last"]
+    return torch.stack([value(sc, kind) for kind in kinds for sc in scalers])
+
+
+def _binades(a: torch.Tensor, r: torch.Tensor, clipped, twin: bool) -> torch.Tensor:
+    """amax_binades(a, r), where an inf (a smallest block scale of a cast without an amax: an
+    expert without tokens) is 0 beside an inf, and beside a number inf for a split (which routes
+    as one device) but 0 for a twin (whose routing may leave an expert without tokens)."""
+    off = amax_binades(a, r, clipped)
+    empty_a, empty_r = torch.isinf(a), torch.isinf(r)
+    one_sided = torch.full_like(off, 0.0 if twin else float("inf"))
+    return torch.where(empty_a & empty_r, torch.zeros_like(off),
+                       torch.where(empty_a ^ empty_r, one_sided, off))
 
 
 def scale_row(step: int, scales: torch.Tensor, ref, twins) -> Row:
     """With the amaxes reduced over tp x cp x ep x dp every cast must use the scale one device uses:
     the largest amax_binades(scale, the reference's) over every scaler, against C_SCALE times the
-    twins' (at least SCALE_FLOOR: 4%, a few roundings of a bf16 amax)."""
-    def of(model):
-        states = named_fp8_states(model)
-        return torch.stack([states[n].scalers()[k].last.float().reshape(()) for n, k in _scale_names(ref)])
-    r = of(ref).to(scales.device).double()
+    twins' (at least SCALE_FLOOR: 4%, a few roundings of a bf16 amax). Fine-grained: the largest
+    block scales and the smallest are judged apart, each against its own twins' offsets (the
+    largest, a block of small entries, moves by binades in the twins; the smallest, the tensor's
+    amax, by roundings), and the row is the one nearer failing."""
+    r = _ref_scales(ref, ref).to(scales.device)
     clipped = _binade_clipped(ref).to(r.device)
-    off = lambda a: amax_binades(a, r, clipped)
-    floor = max([float(off(of(t).to(r.device)).max()) for t in twins] + [SCALE_FLOOR])
-    diffs = off(scales)
-    err, worst = float(diffs.max()), int(diffs.argmax())
-    name, k = _scale_names(ref)[worst]
-    detail = "" if err <= C_SCALE * floor else (
-        f"{name} {SCALERS[k]} scale {float(scales[worst]):.4g}, one device's {float(r[worst]):.4g}")
-    return Row(step, "fp8 scales (log2)", err, C_SCALE * floor, detail)
+    off = _binades(scales, r, clipped, twin=False)
+    twin_off = [_binades(_ref_scales(t, ref).to(r.device), r, clipped, twin=True) for t in twins]
+    names, n = _scale_names(ref), len(_scale_names(ref))
+    halves = [("", slice(0, n))] + ([("smallest block ", slice(n, 2 * n))] if len(r) > n else [])
+    rows = []
+    for label, part in halves:
+        floor = max([float(t[part].max()) for t in twin_off] + [SCALE_FLOOR])
+        err, worst = float(off[part].max()), part.start + int(off[part].argmax())
+        name, k = names[worst % n]
+        detail = "" if err <= C_SCALE * floor else (
+            f"{name} {SCALERS[k]} {label}scale {float(scales[worst]):.4g}, one device's {float(r[worst]):.4g}")
+        rows.append(Row(step, "fp8 scales (log2)", err, C_SCALE * floor, detail))
+    return max(rows, key=lambda row: (not row.ok, row.err / row.tol))   # a NaN fails
 
 
 def pow2_row(step: int, scales: torch.Tensor, ref) -> Row:
     """mxfp8: every scale an E8M0 number, a power of two: |log2 s - round(log2 s)| = 0, bitwise."""
-    frac = (scales.double().log2() - scales.double().log2().round()).abs()
+    e = scales.double().log2()
+    frac = torch.where(torch.isinf(scales), 0.0, (e - e.round()).abs())   # inf: no amax, no scale
     err, worst = float(frac.max()), int(frac.argmax())
-    name, k = _scale_names(ref)[worst]
+    name, k = _scale_names(ref)[worst % len(_scale_names(ref))]
     detail = "" if err == 0 else f"{name} {SCALERS[k]} scale {float(scales[worst]):.6g}, not a power of 2"
     return Row(step, "fp8 mx scales (powers of 2)", err, 0.0, detail)
