@@ -82,7 +82,8 @@ weights, with the float32 update bar (rows "master X"; a 1% update error fails b
 the 16-bit copies as before (rows "weight X"). Under fp8 a row "fp8 scales (log2)" compares
 every scaler's latest scale with the reference's: |log2(ratio)| <= C_SCALE (5) x max(the
 twins', 1/16) (mxfp8's power-of-two scales: the binades beyond the one a rounding can flip,
-fp8_rows.amax_binades); scaling switched off, a stale amax, an amax from the wrong tensor, E5M2's scales in the
+fp8_rows.amax_binades); under blockwise and mxfp8 both the largest block scale and the smallest
+(the tensor's amax's, blocks of zeros left out), each against its own twins; scaling switched off, a stale amax, an amax from the wrong tensor, E5M2's scales in the
 forward move scales by factors of 3 to 10^7. The loss's floor is at least the logits' (a
 scalar's twins may land on it by chance). Plants: grad, update, fp16-unscaled-loss, fp8-*.
 

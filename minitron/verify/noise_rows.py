@@ -29,8 +29,9 @@ dp2 x cp2 and pp2 x cp2 bfloat16 rows, v.weight; 3.03 in the 24 runs at the smal
 15 passes it by 3.9x; the plant grad (3.9% in bfloat16, 1% in float16, plants.grad_error) is
 z >= 60 in bfloat16, failing by >= 4.0x; float16's 1% fails by >= 7x."""
 C_SCALE = 5
-"""FP8 scale rows (fp8_rows.scale_row): a correct split's largest scale offset is 1.2x its
-twins' (or 1/16, log2), so 5 passes it by 4.2x; the scale plants move scales by 26x that or
+"""FP8 scale rows (fp8_rows.scale_row; fine-grained recipes: the largest and the smallest block
+scale, each judged apart): a correct split's largest scale offset is 1.2x its twins' (or 1/16,
+log2), so 5 passes it by 4.2x; the scale plants move scales by 26x that or
 more (tiles along the wrong dimension under blockwise, the least), failing by >= 5x."""
 NOISY = 0.25
 """A reference whose twins differ from it by this much (norm-wise) is mostly rounding noise
