@@ -20,9 +20,9 @@ class RankError(RuntimeError):
 
 
 # What a survivor's collective says when its peer's sockets closed under it: the peer is dead
-# or dying, so its death is worth waiting longer for: a killed process's sockets close before the
-# kernel reports its exit, and in one loaded CI run 0.5 s was too short, so the survivor was blamed
-# ("rank 0 raised: ... Connection reset by peer") for rank 1's SIGKILL (tests/test_restart.py).
+# or dying, so its death is worth waiting longer for. A killed process's sockets and its sentinel
+# close before the kernel reports its exit: in loaded CI runs the survivor was blamed ("rank 0
+# raised: ... Connection reset by peer") for rank 1's SIGKILL (tests/test_restart.py, lesson 11).
 _PEER_GONE = ("connection reset", "connection closed", "broken pipe", "end of file")
 
 
@@ -33,7 +33,12 @@ def _raise_if_a_peer_died(ranks: list[_Rank], replies: dict[int, tuple], error: 
     alive = [o for o in ranks if o.rank not in replies]
     if alive:
         gone = any(words in error.lower() for words in _PEER_GONE)
-        mp.connection.wait([o.process.sentinel for o in alive], timeout=5.0 if gone else 0.5)
+        ended = mp.connection.wait([o.process.sentinel for o in alive], timeout=5.0 if gone else 0.5)
+        for o in alive:
+            if o.process.sentinel in ended:
+                # the sentinel is ready once the dying process's files close, before the kernel
+                # reports its exit: wait for that, or exitcode still reads None (the race CI hit)
+                o.process.join(5)
     for o in alive:
         if o.process.exitcode is not None:
             raise RankError(f"rank {o.rank} died with {_exit_reason(o.process.exitcode)} "
