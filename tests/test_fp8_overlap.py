@@ -3,36 +3,20 @@ unchunked FP8 layer takes (fp8_linear.FP8RingGemms), so the overlapped FP8 MLP g
 SP FP8 MLP's outputs and gradients, and the verifier passes the whole model and fails a plant."""
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
-from minitron.grid import ParallelConfig, build_grid
+from fp8_sp_mlp import fp8_sp_mlp, steps
+from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
-from minitron.runtime import comm
 from minitron.tensor_parallel.fp8 import FP8Recipe
-from minitron.tensor_parallel.fp8_linear import SCALERS, enable_fp8, named_fp8_states
-from minitron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from minitron.tensor_parallel.fp8_linear import SCALERS, named_fp8_states
 from minitron.verify.run import verify
-
-B, S, H, FFN = 2, 8, 16, 32
 
 
 def _fp8_mlp_rank(overlapped: bool, recipe: str):
-    """Two steps of an FP8 Column -> GeLU -> Row pair under SP (bf16 activations); returns the
-    outputs, dL/dx, the gathered weight gradients and the FP8 scales."""
-    group = build_grid(ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True)).tp
-    gen = torch.Generator().manual_seed(0)
-    W1, W2 = torch.randn(FFN, H, generator=gen), torch.randn(H, FFN, generator=gen)
-    mlp = nn.ModuleDict({
-        "fc1": ColumnParallelLinear(H, FFN, group, sequence_parallel=True, comm_overlap=overlapped),
-        "fc2": RowParallelLinear(FFN, H, group, sequence_parallel=True, comm_overlap=overlapped)})
-    with torch.no_grad():
-        mlp["fc1"].weight.copy_(W1.chunk(group.size, 0)[group.rank])
-        mlp["fc2"].weight.copy_(W2.chunk(group.size, 1)[group.rank])
-    mlp = mlp.to(torch.bfloat16)
-    enable_fp8(mlp, FP8Recipe(recipe), group)
-    used = {}                          # every scale a cast took, per layer and operand, in order
+    """Two steps of the FP8 MLP under SP (fp8_sp_mlp.py); returns the outputs, dL/dx, the gathered
+    weight gradients and every scale a cast took, per layer and operand, in order."""
+    mlp, group, gen = fp8_sp_mlp(overlapped, FP8Recipe(recipe))
+    used = {}
     for layer, state in named_fp8_states(mlp).items():
         for name, scaler in zip(SCALERS, state.scalers()):
             def spy(x, scale_for=scaler.scale_for, key=f"{layer}.{name}"):
@@ -40,18 +24,8 @@ def _fp8_mlp_rank(overlapped: bool, recipe: str):
                 used.setdefault(key, []).append(s.clone())
                 return s
             scaler.scale_for = spy
-    out = []
-    for step in range(2):              # the second step casts with the first one's history (delayed)
-        x = torch.randn(B, S, H, generator=gen).chunk(group.size, 1)[group.rank].bfloat16().requires_grad_()
-        g = torch.randn(B, S, H, generator=gen).chunk(group.size, 1)[group.rank].bfloat16()
-        y = mlp["fc2"](F.gelu(mlp["fc1"](x)))
-        (y.float() * g.float()).sum().backward()
-        out.append({"y": y.detach(), "dx": x.grad,
-                    "dW1": comm.all_gather(mlp["fc1"].weight.grad, group, 0),
-                    "dW2": comm.all_gather(mlp["fc2"].weight.grad, group, 1)})
-        for p in mlp.parameters():
-            p.grad = None
-    return out, used
+    # two steps: the second casts with the first one's history (delayed)
+    return steps(mlp, group, gen), used
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])

@@ -4,52 +4,24 @@ gives plain SP's outputs and gradients bit for bit, even where dL/dW's tiles alo
 longer than a ring chunk; and the verifier passes the whole model and fails a block plant."""
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
-from minitron.grid import ParallelConfig, build_grid
+from fp8_sp_mlp import fp8_sp_mlp, steps
+from minitron.grid import ParallelConfig
 from minitron.model import ModelConfig
-from minitron.runtime import comm
 from minitron.tensor_parallel.fp8 import FP8Recipe
 from minitron.tensor_parallel.fp8_blocks import BlockRingGemms
-from minitron.tensor_parallel.fp8_linear import SCALERS, enable_fp8, named_fp8_states
-from minitron.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from minitron.tensor_parallel.fp8_linear import SCALERS, named_fp8_states
 from minitron.verify.run import verify
-
-B, S, H, FFN = 2, 8, 16, 32          # tp 2: ring chunks of S / 2 = 4 tokens per sequence
 
 
 def _block_mlp_rank(overlapped: bool, recipe: str, block: int, chunked_wgrad: bool = False):
-    """Two steps of an FP8 Column -> GeLU -> Row pair under SP (bf16 activations), blocks of
-    `block`; returns the outputs, dL/dx, the gathered weight gradients and every scaler's
+    """Two steps of the FP8 MLP under SP (fp8_sp_mlp.py) in blocks of `block`, an outlier feature
+    in the input; returns the outputs, dL/dx, the gathered weight gradients and every scaler's
     (largest block scale, uses). chunked_wgrad: the planted ring casting dL/dW chunk by chunk."""
     BlockRingGemms.wgrad_whole = not chunked_wgrad     # the pool's processes outlive the test:
     try:                                               # restored below
-        group = build_grid(ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True)).tp
-        gen = torch.Generator().manual_seed(0)
-        W1, W2 = torch.randn(FFN, H, generator=gen), torch.randn(H, FFN, generator=gen)
-        mlp = nn.ModuleDict({
-            "fc1": ColumnParallelLinear(H, FFN, group, sequence_parallel=True, comm_overlap=overlapped),
-            "fc2": RowParallelLinear(FFN, H, group, sequence_parallel=True, comm_overlap=overlapped)})
-        with torch.no_grad():
-            mlp["fc1"].weight.copy_(W1.chunk(group.size, 0)[group.rank])
-            mlp["fc2"].weight.copy_(W2.chunk(group.size, 1)[group.rank])
-        mlp = mlp.to(torch.bfloat16)
-        enable_fp8(mlp, FP8Recipe(recipe, block=block), group)
-        out = []
-        for _ in range(2):
-            x = torch.randn(B, S, H, generator=gen)
-            x[:, :, 3] *= 50                          # an outlier feature: blocks matter
-            x = x.chunk(group.size, 1)[group.rank].bfloat16().requires_grad_()
-            g = torch.randn(B, S, H, generator=gen).chunk(group.size, 1)[group.rank].bfloat16()
-            y = mlp["fc2"](F.gelu(mlp["fc1"](x)))
-            (y.float() * g.float()).sum().backward()
-            out.append({"y": y.detach(), "dx": x.grad,
-                        "dW1": comm.all_gather(mlp["fc1"].weight.grad, group, 0),
-                        "dW2": comm.all_gather(mlp["fc2"].weight.grad, group, 1)})
-            for p in mlp.parameters():
-                p.grad = None
+        mlp, group, gen = fp8_sp_mlp(overlapped, FP8Recipe(recipe, block=block))
+        out = steps(mlp, group, gen, outlier=True)
         scalers = {f"{layer}.{name}": (float(sc.last), sc.uses)
                    for layer, state in named_fp8_states(mlp).items()
                    for name, sc in zip(SCALERS, state.scalers())}
