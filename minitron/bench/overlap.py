@@ -36,12 +36,9 @@ from ..config import ModelConfig
 from ..model.parallel import ParallelGPT
 from ..model.reference import GPT
 from ..verify import make_batch
+from . import intervals
 
 AIM = 0.80
-
-
-def _inside(start: float, end: float, lo: float, hi: float) -> float:
-    return max(0.0, min(end, hi) - max(start, lo))
 
 
 def _step(model, engine, tokens, targets, world, sync: bool) -> dict:
@@ -102,7 +99,7 @@ def summarize(step: dict) -> dict:
     """One step's figures, in seconds (hidden as a share)."""
     b0, b1 = step["backward"]
     total = sum(e - s for _, s, e in step["comm"])
-    inside = sum(_inside(s, e, b0, b1) for _, s, e in step["comm"])
+    inside = sum(intervals.inside(s, e, [(b0, b1)]) for _, s, e in step["comm"])
     return {"backward": b1 - b0, "comm": total, "inside": inside,
             "hidden": inside / total if total else 0.0, "exposed": step["done"] - b1}
 

@@ -31,6 +31,7 @@ from ..runtime.comm import P2P
 from ..runtime.launch import launch
 from ..tensor_parallel import overlap
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from . import intervals
 
 AIM = 0.60
 SHAPE = {"batch": 4, "seq": 256, "hidden": 512, "ffn": 2048}   # a message: 1 MiB; a GEMM chunk: 0.5 GFLOP
@@ -86,17 +87,12 @@ def _rank(shape: dict, repeats: int, threads: int) -> dict:
     return {"steps": steps, "plain": plain_times, "alone": alone, "threads": threads}
 
 
-def _inside(s: float, e: float, spans) -> float:
-    """How much of [s, e] lies inside the union of `spans` (GEMM chunks never overlap)."""
-    return sum(max(0.0, min(e, hi) - max(s, lo)) for lo, hi in spans)
-
-
 def summarize(step: dict) -> dict:
     """One step's figures, in seconds (hidden as a share)."""
     gemms = [(s, e) for kind, _, s, e in step["events"] if kind == "gemm"]
     msgs = [(s, e) for kind, _, s, e in step["events"] if kind == "comm"]
     total = sum(e - s for s, e in msgs)
-    inside = sum(_inside(s, e, gemms) for s, e in msgs)
+    inside = sum(intervals.inside(s, e, gemms) for s, e in msgs)   # GEMM chunks never overlap
     t0, t1 = step["span"]
     return {"step": t1 - t0, "comm": total, "inside": inside, "exposed": total - inside,
             "gemm": sum(e - s for s, e in gemms), "hidden": inside / total if total else 0.0}
