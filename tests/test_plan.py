@@ -23,7 +23,7 @@ REACHED = {"Narayanan et al. 2021, Table 1 (megatron-2021)": (0.04, 0.08),
            "Narayanan et al. 2021, §5.1 text (megatron-2021, the planner's split)": (0.13, 0.13),
            "Korthikanti et al. 2022, Table 5 (megatron-2022)": (0.05, 0.09),
            "Shoeybi et al. 2019, Figure 5 (megatron-2019)": (0.06, 0.13),
-           "Dubey et al. 2024, Table 4, out of sample (llama3-2024)": (0.10, 0.13)}
+           "Dubey et al. 2024, Table 4, out of sample (llama3-2024)": (0.12, 0.14)}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,12 @@ def test_every_published_point_is_held_and_printed(tables, capsys):
         assert mean <= bound_mean and worst <= bound_worst, f"{source}: worse than recorded"
 
 
-@pytest.mark.xfail(strict=True, reason="not met: mean 5.2%; the worst points are the planner's own "
-                   "split for §5.1's figure (12.8% fast), Shoeybi's 2.5B on 128 GPUs (12% high: no bandwidth "
-                   "model gives the figure's drops) and Llama 3 on 8192 GPUs (12% fast on Meta's stack); "
-                   "lesson 13 says why")
+@pytest.mark.xfail(strict=True, reason="not met: mean 5.4%; the worst points are Llama 3 on 8192 GPUs "
+                   "(13.5% fast on Meta's stack: no published term of theirs is left out), the planner's own "
+                   "split for §5.1's figure (12.8% fast; every split near its best is 9-13% fast), and "
+                   "Shoeybi's 2.5B on 128 GPUs (12% high: the 2019 code reduces after the backward, and no "
+                   "bandwidth model gives the figure's drops, flat in the bytes at 1.2B, 4.2B, 8.3B but 12.6% "
+                   "at 2.5B); lesson 13 says why")
 def test_the_goal_over_every_point(tables):
     every = [r for rows in tables.values() for r in rows]
     mean, worst = published.mean_worst(every)
@@ -265,3 +267,24 @@ def test_llama3s_stack_runs_tp_synchronously_and_reduces_in_fp32():
     bd = step_time(cfg, par, cluster, 32 * 64, 8192, software="llama3-2024")
     assert bd.terms["grad accumulation"] == pytest.approx(
         32 * 10 * dense_params_per_rank(cfg, par) / (g.hbm_bw * g.hbm_eff))
+
+
+@pytest.mark.parametrize("software", ["llama3-2024", "megatron-core"])
+def test_zero1_gathers_16_bit_parameters_after_reducing_fp32_gradients(software):
+    """Under ZeRO-1 (Megatron's distributed optimizer; Llama 3's FSDP) the gradients are
+    reduce-scattered at their bytes (4: both reduce in fp32) and the updated parameters are
+    all-gathered in 16 bits, not as a 4-byte all-reduce; ZeRO-0 stays one all-reduce of the fp32
+    gradients. Fails if the all-gather is charged at the gradients' bytes."""
+    from minitron.estimate.devices import link
+    from minitron.estimate.optimizer_time import dp_seconds, params_per_rank
+    from minitron.hardware import ring_seconds
+    from minitron.estimate.shape import MODERN
+    cfg, cluster, sw = MODERN["llama3-405b"], Cluster(GPUS["h100"], 8), SOFTWARE[software]
+    base = cluster.gpu.collective_latency
+    for zero in (0, 1):
+        par = Parallel(tp=8, sp=True, pp=16, dp=64, recompute="none", zero=zero)
+        psi, bw = params_per_rank(cfg, par)[0], link("dp", par, cluster)
+        want = (ring_seconds(4 * psi, 64, bw, 1, base) + ring_seconds(2 * psi, 64, bw, 1, base) if zero
+                else ring_seconds(4 * psi, 64, bw, base=base))
+        got = dp_seconds(cfg, par, cluster, sw, 1, 0.0)          # nothing to hide behind: all of it
+        assert got == pytest.approx(want + want / 25)

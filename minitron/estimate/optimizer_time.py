@@ -1,9 +1,12 @@
 """The weight-update terms of one step: the data-parallel gradient reduction, the gradient
 accumulation and the optimizer step, from the parameters one rank holds.
 
-  DP          the gradients (2 bytes each) reduce-scattered and all-gathered (an all-reduce's
-              bytes), once per step, over dp x cp x ep ranks for the dense weights (every rank
-              that holds the same dense shard) and dp x cp for the experts. ZeRO-3 (FSDP)
+  DP          the gradients (2 bytes each, 4 where the software reduces them in fp32) all-reduced
+              once per step; under ZeRO-1/2 (Megatron's distributed optimizer, Llama 3's FSDP) the
+              gradients are reduce-scattered at those bytes and the updated 16-bit parameters
+              all-gathered (2 bytes each: Megatron-Core's param buffers hold the model's dtype,
+              FSDP gathers in its 16-bit param_dtype); over dp x cp x ep ranks for the dense
+              weights (every rank that holds the same dense shard) and dp x cp for the experts. ZeRO-3 (FSDP)
               instead gathers the parameters before each micro-batch's forward and again
               before its backward and reduce-scatters its gradients: 3 collectives per
               micro-batch, each overlapped with that micro-batch's compute when the software
@@ -64,7 +67,11 @@ def dp_seconds(cfg, par, cluster, sw, m, compute_mb) -> float:
         if sw.overlap_dp:
             return m * (max(0.0, per_mb - compute_mb) + per_mb / 25)
         return m * per_mb
-    sync = sum(ring_seconds(gbytes * psi, n, bw_lat, base=base) for psi, n in groups if psi)
+    if par.zero in (1, 2):       # gradients reduce-scattered at their bytes, 16-bit parameters all-gathered
+        sync = sum(ring_seconds(gbytes * psi, n, bw_lat, 1, base) + ring_seconds(2 * psi, n, bw_lat, 1, base)
+                   for psi, n in groups if psi)
+    else:                        # one all-reduce of the gradients, both phases at their bytes
+        sync = sum(ring_seconds(gbytes * psi, n, bw_lat, base=base) for psi, n in groups if psi)
     if sw.overlap_dp and (par.pp == 1 or sw.overlap_dp_with_pipeline):
         window = compute_mb * 2 / 3          # the last micro-batch's backward
         return max(0.0, sync - window) + sync / 25   # and its last bucket (~25 buckets)
