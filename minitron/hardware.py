@@ -29,10 +29,14 @@ Data sheets (dense 16-bit tensor-core peak, no sparsity; bandwidths per GPU and 
 What is achieved of it (constants of the hardware, measured by microbenchmarks, never fitted to a
 training run):
   matmul     the best large bf16 GEMM over shapes (Bekman, ml-engineering, compute/accelerator
-             README, "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 267.9 of 312
-             TFLOP/s (0.859), H100 SXM 792.1 of 989 (0.801); H200 taken as H100 (same compute die);
-             V100 0.80 (an assumption: cuBLAS fp16 large GEMMs, not in that table).
-             These are short bursts (100 iterations after 50 warm-ups), run at the boost clock.
+             README, "Maximum Achievable Matmul FLOPS comparison table", the version of stas00/
+             ml-engineering 249778b, 2024-08-07, both measured with CUDA 12.1): A100 SXM 267.9 of
+             312 TFLOP/s (0.859), H100 SXM 792.1 of 989 (0.801); H200 taken as H100 (same compute
+             die); V100 0.80 (an assumption: cuBLAS fp16 large GEMMs, not in that table). Later
+             versions of the table re-measured both with newer torch (A100 271.2, torch 2.6;
+             H100 794.5, torch 2.7): one version is used for both, the one nearer the runs'
+             software. These are short bursts (100 iterations after 50 warm-ups), at the boost
+             clock. No other published A100 bf16 GEMM measurement at training shapes was found.
   sustained  what a GEMM keeps once the GPU has heated to its power limit, over the burst: the
              same benchmark's "Maximum Sustainable Matmul FLOPS" (MSMF) against its "Maximum
              Achievable" (MAMF) burst, measured with all 8 GPUs of the node computing at once
@@ -42,10 +46,19 @@ training run):
              busy for seconds, so it runs at the sustained rate: 0.848 for every GPU. Measured on
              Hopper (the H100's die, the same 700 W) and Blackwell; for the A100 and the V100 it is
              an assumption, not a measurement (no MSMF of theirs is published there).
-  HBM        a streaming copy reaches ~0.85-0.9 of the data sheet's bandwidth: 0.85.
-  NVLink     nccl-tests all-reduce bus bandwidth inside a node: ~230 of 300 GB/s on DGX A100,
-             ~360 of 450 on DGX H100 (no NVLink SHARP): 0.78 / 0.80.
-  network    nccl-tests across nodes reach ~0.9 of the NICs' line rate.
+  HBM        a streaming copy reaches ~0.85-0.9 of the data sheet's bandwidth: 0.85 (NOT cited:
+             no published stream measurement on these GPUs is referenced here).
+  NVLink     an all-reduce's bus bandwidth inside a node at 16 GiB (Bekman, ml-engineering,
+             network/README.md, "busbw @16GiB" table): A100 NVLink 3 234.89 of 300 GB/s (78%):
+             0.78; H200 NVLink 4 with NCCL's ring (NVLS off, no NVLink SHARP) 367.61 of 450 (82%).
+             The H100's 0.80 is rounded below that measurement (the H200 has its NVLink); the
+             measured 0.817 would move the 28 published points' mean |error| by about +0.02.
+  network    0.9 of the NICs' line rate (NOT cited). The published figures bracket it: a single
+             adapter's RDMA writes reach 96.9% of line rate (ib_write_bw, EFA, Bekman network
+             README), an all-reduce across 4 nodes drives each accelerator's NIC at 73.9% of it
+             (36.95 of 50 GB/s, P6-B200 EFA, 16 GiB; a floor, and its author warns it does not carry
+             to other fabrics). Selene's HDR InfiniBand, Meta's RoCE and the DGX-2H's EDR are none
+             of these, so 0.9 stays an assumption (published.py's sensitivity table shows its weight).
   latency    NCCL's own latency model, the one its tuner picks algorithms with (NVIDIA/nccl,
              src/graph/tuning.cc, ncclTunerConstantsDefaults and ncclTopoTuneModel; commit
              5067397, 2026): a ring collective with the Simple protocol (the one for the MB-sized
