@@ -207,8 +207,9 @@ def test_the_optimizer_step_streams_megatrons_bytes(software, per_param):
 def test_megatron_2019_runs_each_elementwise_step_as_its_own_kernel():
     """The 2019 code (NVIDIA/Megatron-LM a0368ddf47, mpu/transformer.py) scales, masks, softmaxes
     and drops the scores in five kernels (21 bytes per score element against the fused 9) and adds
-    bias, dropout and residual apart (15 bytes per element against 7), and makes the context
-    contiguous (4 E/t): a layer's memory-bound time is exactly that many more bytes at HBM speed.
+    bias, dropout and residual apart (15 bytes per element against 7): a layer's memory-bound time
+    is exactly that many more bytes at HBM speed (the context's copy back, 4 E/t, every Megatron
+    makes: test_megatrons_core_attention_copies_its_context_back).
     Fails if megatron-2019 is given fused kernels (planted: dataclasses.replace)."""
     import dataclasses
     from minitron.estimate.time_model import layer_seconds
@@ -219,7 +220,7 @@ def test_megatron_2019_runs_each_elementwise_step_as_its_own_kernel():
     extra = layer_seconds(cfg, par, cluster, 1024, False, old)["memory-bound ops"] - \
         layer_seconds(cfg, par, cluster, 1024, False, fused)["memory-bound ops"]
     E, S = 8 * 1024 * 3072, 8 * (32 // 8) * 1024 * 1024
-    per_forward = (21 - 9) * S + 2 * (15 - 7) * E + 4 * E / 8
+    per_forward = (21 - 9) * S + 2 * (15 - 7) * E
     assert extra == pytest.approx(4 * per_forward / (g.hbm_bw * g.hbm_eff))   # fwd, bwd (2x), recompute
     assert all(s.fused_kernels for name, s in SOFTWARE.items() if name != "megatron-2019")
 
@@ -288,3 +289,20 @@ def test_zero1_gathers_16_bit_parameters_after_reducing_fp32_gradients(software)
                 else ring_seconds(4 * psi, 64, bw, base=base))
         got = dp_seconds(cfg, par, cluster, sw, 1, 0.0)          # nothing to hide behind: all of it
         assert got == pytest.approx(want + want / 25)
+
+
+@pytest.mark.parametrize("software", ["megatron-2021", "megatron-2022"])
+def test_megatrons_core_attention_copies_its_context_back(software):
+    """Megatron's core attention permutes its context [b, a/t, s, d] back to [s, b, h/t] with
+    .contiguous() (megatron/model/transformer.py, 2019 to 2022): 4 E/t bytes per forward beside the
+    fused kernels' 22 R + 4 E f/(h t) + 9 S, four passes under full recomputation (forward, the
+    recomputed forward, the backward's two). Fails if the copy is charged to 2019's unfused
+    kernels only."""
+    from minitron.estimate.time_model import layer_seconds
+    cfg, cluster, t = published.gpt(24, 2304, 24), Cluster(GPUS["a100"], 8), 2
+    par = Parallel(tp=t, micro_batch=16, recompute="full", zero=0)
+    E, S = 16 * 2048 * 2304, 16 * (24 // t) * 2048 ** 2
+    per_forward = 22 * E + 4 * E * 4 / t + 4 * E / t + 9 * S
+    g = cluster.gpu
+    got = layer_seconds(cfg, par, cluster, 2048, False, SOFTWARE[software])["memory-bound ops"]
+    assert got == pytest.approx(4 * per_forward / (g.hbm_bw * g.hbm_eff))

@@ -14,7 +14,11 @@ time_model.step_time multiplies it by a stage's layers and micro-batches.
               residual 2, write 2, 1-byte mask) + 4 E f/(h t) (bias-GeLU on the f = 4h hidden:
               read f, write f; SwiGLU reads 2f: 6 E f/(h t)) + 9 S
               (fused scale-mask-softmax 4 S, dropout 5 S) bytes, with E = b s h, R = E (E/t under
-              SP), S = b (a/t) s^2; backward moves twice the forward's bytes.
+              SP), S = b (a/t) s^2, + 4 E/t without flash attention: the context copied back from
+              [b, a/t, s, d] to [s, b, h/t] (Megatron's core attention, permute(2, 0, 1, 3)
+              .contiguous(): megatron/model/transformer.py of NVIDIA/Megatron-LM a0368ddf47 (2019),
+              de7dc40f88 (Aug 2021, examples/sc21's commit) and 2755bcb87b (Jun 2022); minitron's
+              transpose + reshape, model/blocks.py); backward moves twice the forward's bytes.
   TP          per forward 2 all-reduces of 2E bytes (SP: 2 all-gathers + 2 reduce-scatters,
               the same bytes), 2 more in backward, 2 more when the forward is recomputed;
               a ring all-reduce moves 2(t-1)/t of the buffer at the group's bandwidth. The
@@ -34,9 +38,8 @@ time_model.step_time multiplies it by a stage's layers and micro-batches.
               read and a write of 2-byte elements: the scores scaled, multiplied by the mask,
               the mask's -10000 subtracted, softmax, dropout (+1-byte mask): 4+4+4+4+5 = 21 S;
               per residual branch RowParallelLinear's bias added after the all-reduce (4 E),
-              dropout (5 E), the residual add (read 4, write 2) = 15 E against the fused 7;
-              the context permuted to [b, s, h] with .contiguous() (4 E/t). LayerNorm (apex's
-              fused) and GeLU (torch.jit.script) were fused already.
+              dropout (5 E), the residual add (read 4, write 2) = 15 E against the fused 7.
+              LayerNorm (apex's fused) and GeLU (torch.jit.script) were fused already.
 Under flash attention (software.py) the core's s x s scores never reach HBM: no softmax/dropout
 bytes, causal blocks skipped, its backward 2.5 forwards (Dao 2023, FlashAttention-2, §3.1: the
 backward recomputes S and P, five matmuls against the forward's two), at the sustained matmul
@@ -90,8 +93,8 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
     ew_fwd_core = 0 if sw.flash_attention else core_bytes * S
     visits = (mlp_rows / rows + shared_experts(cfg)) if moe else 1
     ew_fwd_rest = (2 * 4 + 2 * residual_bytes) * R + 2 * (mats + 1) * E * (f / h) * visits / t
-    if not sw.fused_kernels:
-        ew_fwd_rest += 4 * E / t                    # the context made contiguous again
+    if not sw.flash_attention:
+        ew_fwd_rest += 4 * E / t                    # the context made contiguous again (docstring)
     passes = {"none": 3, "selective": 3, "full": 4}[par.recompute]      # fwd, bwd (2x), [fwd]
     core_passes = 4 if par.recompute != "none" else 3
     memory_bound = (passes * ew_fwd_rest + core_passes * ew_fwd_core) / (g.hbm_bw * g.hbm_eff)
