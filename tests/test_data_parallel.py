@@ -308,11 +308,23 @@ def mixed_dtype_rank():
 def test_replica_rows_split_over_dp_and_ep_not_cp():
     from types import SimpleNamespace
     cfg = ParallelConfig(dp=2, ep=2, cp=2)
-    got = [replica_rows(8, SimpleNamespace(config=cfg, coords=cfg.coords(r))) for r in range(8)]
-    starts = [s.start for s in got]          # rank = cp + 2 * (ep + 2 * dp)
-    assert starts == [0, 0, 2, 2, 4, 4, 6, 6] and all(s.stop - s.start == 2 for s in got)
+    got = [replica_rows(8, SimpleNamespace(config=cfg, coords=cfg.coords(r))).tolist()
+           for r in range(8)]                # rank = cp + 2 * (ep + 2 * dp)
+    assert got == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5], [6, 7], [6, 7]]
     with pytest.raises(ValueError, match="multiple of 4"):
         replica_rows(6, SimpleNamespace(config=cfg, coords=cfg.coords(0)))
+
+
+def test_replicas_micro_batch_m_is_a_slice_of_the_batchs():
+    """Megatron's sampler: the step's micro-batch m is rows [m*B/M, (m+1)*B/M) whatever the
+    layout, each replica holding one slice of it (here 2 micro-batches of 4 rows, dp x ep = 4)."""
+    from types import SimpleNamespace
+    cfg = ParallelConfig(dp=2, ep=2)
+    got = [replica_rows(8, SimpleNamespace(config=cfg, coords=cfg.coords(r)), 2).tolist()
+           for r in range(4)]
+    assert got == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        replica_rows(4, SimpleNamespace(config=cfg, coords=cfg.coords(0)), 2)
 
 
 def unused_param_rank(stage, plant):

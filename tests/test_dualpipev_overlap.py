@@ -16,6 +16,7 @@ from minitron.model import ModelConfig
 from minitron.model.stages import PipelineGPT
 from minitron.pipeline import make_schedule, pairs
 from minitron.pipeline.executor import hides_all_to_all, run_schedule
+from minitron.train.step import replica_rows
 from minitron.verify import Report, make_batch, run_rank
 from minitron.verify.patching import patched
 
@@ -42,13 +43,13 @@ def _step(overlap: bool, plant: bool = False):
     grid = build_grid(PCFG)
     model = PipelineGPT(CFG, grid, sched.stage_rank, seed=0).train()
     tokens, targets = make_batch(0, 0, 2 * MICROBATCHES, CFG.seq_len, CFG.vocab_size)
-    mine = slice(grid.ep.rank * MICROBATCHES, (grid.ep.rank + 1) * MICROBATCHES)  # its rows
+    mine = replica_rows(2 * MICROBATCHES, grid, MICROBATCHES)     # its rows of the batch
     tokens, targets = tokens[mine], targets[mine]
     model.rng.reset(0)
     hook = _goes_on_early(pairs._Half.in_flight) if plant else pairs._Half.in_flight
     with pairs.recording() as segments, patched(pairs._Half, "in_flight", hook):
         result = run_schedule(sched, model, tokens, targets, overlap=overlap,
-                              first_row=mine.start)
+                              rows=mine)
     out = {"grad " + n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if result.loss is not None:
         out["loss"] = result.loss

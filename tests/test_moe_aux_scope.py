@@ -1,13 +1,13 @@
 """The balance loss's scope (ModelConfig.aux_loss_scope) on a loss curve, with micro-batches.
 
-With "global" the per-expert counts of each micro-batch are summed over dp x ep x cp, so dp2 or
-ep2 with 4 micro-batches trains exactly like one device whose 4 micro-batches hold the same rows:
-replica d's micro-batch m is rows d*B/2 + m*B/8 ..., so the one device gets the batch's rows
-reordered (`same_rows`; the language-model loss, a mean over rows, does not see the order).
-One device given the rows in their plain order is *not* that run: its micro-batch m holds
-other rows, and the balance loss is a product of sums over the micro-batch (f_e * P_e), not a
-sum over rows, so no layout of the replicas could match it (measured below, not hidden).
-"replica" counts each dp x ep replica's own tokens: the test of the test, its curve bends."""
+With "global" the per-expert counts of each micro-batch are summed over dp x ep x cp, and the
+step's micro-batch m holds the same rows on every layout (train/step.py replica_rows, Megatron's
+sampler: rows [m*B/M, (m+1)*B/M), each replica one slice of them), so dp2, ep2 or dp2 x ep2 with
+4 micro-batches trains exactly like one device with 4 micro-batches, batch for batch.
+The test of the test, twice: one device given the same rows in another order is *not* that run
+(its micro-batches hold other rows, and the balance loss is a product of sums over the
+micro-batch, f_e * P_e, not a sum over rows: the language-model loss alone would not see it);
+and "replica", which counts each dp x ep replica's own tokens, bends the curve."""
 import pytest
 import torch
 
@@ -17,17 +17,19 @@ from minitron.train.engine import TrainingRun
 from minitron.verify import make_batch
 
 BATCH, MICRO, STEPS, TOL = 16, 4, 4, 1e-6
-MODEL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.0,
+MODEL = dict(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1,
              n_experts=4, topk=2, aux_loss_coeff=0.1)
 
 
-def same_rows(replicas: int) -> torch.Tensor:
-    """The batch's rows in the order that gives one device's micro-batch m the rows the
-    `replicas` replicas hold in their micro-batch m (train/step.py's replica_rows, then m)."""
-    per = BATCH // replicas
-    mb = per // MICRO
-    return torch.tensor([d * per + m * mb + i
-                         for m in range(MICRO) for d in range(replicas) for i in range(mb)])
+def other_micro_batches() -> torch.Tensor:
+    """The batch's rows dealt to the micro-batches another way: micro-batch m gets rows
+    m*B/8 + [0, B/8) and B/2 + m*B/8 + [0, B/8) (the halves' m-th quarters)."""
+    half, mb = BATCH // 2, BATCH // 8
+    return torch.tensor([h * half + m * mb + i for m in range(MICRO) for h in range(2)
+                         for i in range(mb)])
+
+
+PLAIN = torch.arange(BATCH)
 
 
 def _curve(parallel: dict, scope: str, order: torch.Tensor) -> list[float]:
@@ -47,27 +49,25 @@ def _worst(a, b):
 
 @pytest.fixture(scope="module")
 def one_device(run_ranks):
-    """One device, 4 micro-batches: the rows of 2 or 4 replicas' micro-batches, and the plain order."""
-    return {"same": run_ranks(_curve, {}, "global", same_rows(2), world_size=1)[0],
-            "same4": run_ranks(_curve, {}, "global", same_rows(4), world_size=1)[0],
-            "plain": run_ranks(_curve, {}, "global", same_rows(1), world_size=1)[0]}
+    """One device, 4 micro-batches: the batch in its order, and dealt to the micro-batches otherwise."""
+    return {"plain": run_ranks(_curve, {}, "global", PLAIN, world_size=1)[0],
+            "other": run_ranks(_curve, {}, "global", other_micro_batches(), world_size=1)[0]}
 
 
-@pytest.mark.parametrize("parallel,same", [({"dp": 2}, "same"), ({"ep": 2}, "same"),
-                                           ({"dp": 2, "ep": 2}, "same4")],
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}, {"dp": 2, "ep": 2}],
                          ids=["dp2", "ep2", "dp2xep2"])
-def test_global_scope_gives_one_devices_curve(run_ranks, one_device, parallel, same):
-    curves = run_ranks(_curve, parallel, "global", same_rows(1), world_size=2 * len(parallel))
+def test_global_scope_gives_one_devices_curve(run_ranks, one_device, parallel):
+    curves = run_ranks(_curve, parallel, "global", PLAIN, world_size=2 * len(parallel))
     for rank, curve in enumerate(curves):
-        assert _worst(curve, one_device[same]) < TOL, (parallel, rank, curve, one_device[same])
+        assert _worst(curve, one_device["plain"]) < TOL, (parallel, rank, curve, one_device["plain"])
 
 
 @pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}], ids=["dp2", "ep2"])
 def test_replica_scope_bends_the_curve(run_ranks, one_device, parallel):
-    curve = run_ranks(_curve, parallel, "replica", same_rows(1), world_size=2)[0]
-    assert _worst(curve, one_device["same"]) > 100 * TOL, (curve, one_device["same"])
+    curve = run_ranks(_curve, parallel, "replica", PLAIN, world_size=2)[0]
+    assert _worst(curve, one_device["plain"]) > 100 * TOL, (curve, one_device["plain"])
 
 
 def test_micro_batches_of_other_rows_are_another_objective(one_device):
-    """What micro-batching itself changes: one device, same rows, other micro-batches."""
-    assert _worst(one_device["plain"], one_device["same"]) > 100 * TOL, one_device
+    """What the composition of the micro-batches changes: one device, the same rows, dealt otherwise."""
+    assert _worst(one_device["other"], one_device["plain"]) > 100 * TOL, one_device

@@ -1,7 +1,7 @@
 """16-bit experts inside pipeline stages (verify/routing.py MicroBatchRouting): the routers run
 micro-batch by micro-batch on both sides, their choices are compared row for row, and with
 --reference-routing the split model takes the reference's choices for exactly the rows each
-micro-batch holds. Seed 3 has one rounding flip of a top-k at step 1 (bfloat16, pp 2 x ep 2): it is
+micro-batch holds. Seed 1 has one rounding flip of a top-k at step 1 (bfloat16, pp 2 x ep 2): it is
 counted without the flag and, with it (the default in 16 bits), judged a near tie; imposing another micro-batch's choices fails."""
 import torch
 
@@ -16,7 +16,7 @@ MOE = ModelConfig(vocab_size=128, seq_len=16, hidden=64, n_layers=2, n_heads=4, 
 
 
 def _run(**kw):
-    return verify.verify(PCFG, MOE, steps=2, dtype=torch.bfloat16, seed=3, **kw)
+    return verify.verify(PCFG, MOE, steps=2, dtype=torch.bfloat16, seed=1, **kw)
 
 
 def _routing(report):

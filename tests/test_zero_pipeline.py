@@ -85,12 +85,12 @@ def pipeline_memory_rank(schedule_name):
                 gathered[id(u)].append(u.full.detach().clone())
         u.gather = gather
     tokens, targets = make_batch(0, 0, M * grid.dp.size, mcfg.seq_len, mcfg.vocab_size)
-    rows = replica_rows(tokens.shape[0], grid)
+    rows = replica_rows(tokens.shape[0], grid, M)
     engine.zero_grad()
     model.rng.reset(0)
     with comm.counting() as c:
         with engine.no_sync():
-            run_schedule(schedule, model, tokens[rows], targets[rows], first_row=rows.start,
+            run_schedule(schedule, model, tokens[rows], targets[rows], rows=rows,
                          keep_outputs=False, finalize_grads=False)
         full_grads_alive = sum(p.grad is not None for p in model.parameters())
         engine.finish_grad_sync()

@@ -27,8 +27,10 @@ message carries s/cp tokens (p2p.message_shape) between ranks of equal (tp, cp, 
 A rank's loss is the mean over its own tokens; the reported loss is their mean over cp.
 
 Dropout masks are keyed by (step seed, global layer, call, global batch row) (tensor_parallel/
-random.py): before each F the executor names the micro-batch's global rows (`rng.rows_from`) and
-the stage its global layers, so the masks are the reference's in any order of the work.
+random.py): before each F the executor names where the micro-batch's rows start in the global
+batch (`rng.rows_from`; a data-parallel replica's micro-batch is one block of rows, train/step.py
+replica_rows) and the stage its global layers, so the masks are the reference's in any order
+of the work.
 
 Every compute action is timed (time.perf_counter: one clock for a machine's processes) into
 actions.Event rows: a real run's actions.Timeline has the simulator's form, and its live
@@ -83,15 +85,29 @@ def check_schedule_fits(schedule: Schedule, model: PipelineGPT, batch: int) -> N
     check_message_order(schedule)
 
 
+def _first_rows(rows, batch: int, mbs: int) -> list[int]:
+    """Where each micro-batch starts in the global batch, `rows` the global row of each row
+    (None: the whole batch, in order). Dropout keys a micro-batch by its first row, so each
+    micro-batch's rows must be consecutive rows of the batch."""
+    rows = torch.arange(batch) if rows is None else torch.as_tensor(rows).cpu()
+    if rows.shape != (batch,):
+        raise ValueError(f"rows names {tuple(rows.shape)} rows for a batch of {batch}")
+    blocks = rows.view(-1, mbs)
+    if not torch.equal(blocks - blocks[:, :1], torch.arange(mbs).expand_as(blocks)):
+        raise ValueError(f"each micro-batch's rows must be consecutive rows of the batch, "
+                         f"got {rows.tolist()}: take them from train.step.replica_rows")
+    return blocks[:, 0].tolist()
+
+
 class _Run:
     """The state of one step on one rank: tensors waiting for their next action, by (mb, stage)."""
 
     def __init__(self, schedule, model, tokens, targets, layout, keep_outputs, track_memory,
-                 first_row=0):
+                 rows=None):
         self.schedule, self.model, self.keep = schedule, model, keep_outputs
-        self.first_row = first_row
         self.grid, m = model.grid, schedule.microbatches
         self.mbs = tokens.shape[0] // m
+        self.first_rows = _first_rows(rows, tokens.shape[0], self.mbs)
         self.shape = message_shape(model.cfg, self.grid, self.mbs, tokens.shape[1])
         cp = self.grid.cp            # this cp rank's chunks, cut in `layout` order
         tokens, targets = (shard_sequence(t, cp.size, cp.rank, layout) for t in (tokens, targets))
@@ -114,7 +130,7 @@ class _Run:
     # ---- compute ------------------------------------------------------------------------
     def forward(self, mb: int, s: int) -> None:
         model = self.model
-        model.rng.rows_from(self.first_row + mb * self.mbs)   # its rows of the global batch
+        model.rng.rows_from(self.first_rows[mb])   # its rows of the global batch
         capture = weight_grad.capture() if self.defers else contextlib.nullcontext()
         recording = self.memory.recording((mb, s)) if self.track_memory else contextlib.nullcontext()
         with capture, recording:
@@ -247,7 +263,7 @@ class _Run:
 
 def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, targets: torch.Tensor,
                  *, layout: str = "zigzag", keep_outputs: bool = True, track_memory: bool = False,
-                 first_row: int = 0, finalize_grads: bool = True,
+                 rows=None, finalize_grads: bool = True,
                  on_last_backward=None, start_line: bool = False,
                  overlap: bool | None = None) -> StepResult:
     """Run this rank's part of `schedule` on the global batch (the same tokens on every rank;
@@ -257,9 +273,10 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     are finalized (tp sums, cp average, tied-embedding sums) before it returns. `layout`: the order
     the sequences are cut in over cp (the model assumes zigzag). track_memory=True measures the activation
     memory (memory.py; its saved-tensor hooks slow the step: off, peak_* are 0).
-    A data-parallel replica passes its rows of the batch and `first_row`, where they start in
-    the global batch (dropout masks are keyed by global row), and finalize_grads=False: its
-    engine's finish_grad_sync does the same sums on the gradient pieces it keeps.
+    A data-parallel replica passes its rows of the batch, `rows` their global rows
+    (train.step.replica_rows, by the schedule's micro-batches: dropout masks are keyed by
+    global row), and finalize_grads=False: its engine's finish_grad_sync does the same sums on
+    the gradient pieces it keeps.
     `on_last_backward()` is called once, where the rank's last micro-batch's backward begins
     (last_backward_tail): a data-parallel engine turns its sync on there.
     start_line=True: a barrier over every rank first, so the ranks' clocks start together (a
@@ -269,7 +286,7 @@ def run_schedule(schedule: Schedule, model: PipelineGPT, tokens: torch.Tensor, t
     while the other computes (pairs.py; bit-identical to running them one after the other).
     None: wherever there is an all-to-all to hide (hides_all_to_all)."""
     check_schedule_fits(schedule, model, tokens.shape[0])
-    run = _Run(schedule, model, tokens, targets, layout, keep_outputs, track_memory, first_row)
+    run = _Run(schedule, model, tokens, targets, layout, keep_outputs, track_memory, rows)
     weight_grad.STORE.clear()
     if start_line:
         comm.barrier(comm.Group("world", range(model.grid.world_size)))

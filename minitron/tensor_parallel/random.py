@@ -70,7 +70,6 @@ class DropoutRNG:
         self._current_seed = seed
         self._generators: dict[tuple[str, torch.device], torch.Generator] = {}
         self._layer, self._call, self._first_row = -1, 0, 0
-        self._row_ids = None
         self.elements_drawn = 0
         self.largest_draw = 0
 
@@ -80,7 +79,6 @@ class DropoutRNG:
         embedding's site, batch row 0."""
         self._current_seed = self.seed if seed is None else seed
         self._layer, self._call, self._first_row = -1, 0, 0
-        self._row_ids = None
         for (stream, _), gen in self._generators.items():
             gen.manual_seed(self.stream_seed(stream))
 
@@ -90,17 +88,11 @@ class DropoutRNG:
 
     def rows_from(self, first_row: int) -> None:
         """The next tensors' row 0 is row `first_row` of the step's global batch."""
-        self._first_row, self._row_ids = first_row, None
-
-    def rows_at(self, row_ids) -> None:
-        """The next tensors' row r is row row_ids[r] of the step's global batch (rows that are not
-        one block: a reference micro-batch gathered from every data-parallel replica's)."""
-        self._row_ids = [int(r) for r in row_ids]
+        self._first_row = first_row
 
     def row_ids(self, n: int) -> list[int]:
-        """The global batch rows of the next tensors' first n rows (rows_from / rows_at)."""
-        return list(range(self._first_row, self._first_row + n)) if self._row_ids is None \
-            else self._row_ids[:n]
+        """The global batch rows of the next tensors' first n rows (rows_from)."""
+        return list(range(self._first_row, self._first_row + n))
 
     # ---- what differs between the modes -------------------------------------------------
     def stream_of(self, region: str) -> str:
@@ -120,8 +112,7 @@ class DropoutRNG:
         gen = self._generator(device, "keyed")
         rows = []
         for r in range(shape[0]):
-            row = self._first_row + r if self._row_ids is None else self._row_ids[r]
-            gen.manual_seed(_mix(self._current_seed, self._layer, self._call, row))
+            gen.manual_seed(_mix(self._current_seed, self._layer, self._call, self._first_row + r))
             rows.append(torch.rand(shape[1:], generator=gen, device=device))
         self._call += 1
         return torch.stack(rows) if rows else torch.empty(shape, device=device)

@@ -11,7 +11,8 @@ memory costs only the pages a batch touches.
 
 The loader is a pure function of (seed, step): batch(step) draws its rows' start offsets from a
 generator seeded by both. Every rank computes the same global batch and keeps its own rows
-(train.step.replica_rows: replica d takes rows [d*B/n, (d+1)*B/n)), so data-parallel ranks
+(train.step.replica_rows: micro-batch m of the step is the same rows on any layout, each
+replica holding one slice of it, as Megatron's sampler deals them), so data-parallel ranks
 see different sequences; and resuming at step s is just calling batch(s): the data position a
 checkpoint stores is the step.
 """

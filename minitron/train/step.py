@@ -80,38 +80,51 @@ def parallel_step(model, tokens, targets, step_seed: int, *,
     return x, logits, loss
 
 
-def replica_rows(batch: int, grid) -> slice:
-    """This replica's rows of the global batch. Rows are split over the replicas that see
-    different sequences, dp x ep (the ranks of grid.ep_dp, in its order): replica d of n takes
-    rows [d*B/n, (d+1)*B/n). Context-parallel ranks share their rows and split each sequence
-    instead (context_parallel/). Reads only grid.config and grid.coords."""
+def replica_rows(batch: int, grid, microbatches: int = 1) -> torch.Tensor:
+    """This replica's rows of the global batch, micro-batch by micro-batch (Megatron's
+    MegatronPretrainingSampler composes batches this way). The step's micro-batch m is rows
+    [m*B/M, (m+1)*B/M) whatever the layout, and the replicas that see different sequences,
+    dp x ep (the ranks of grid.ep_dp, in its order), each take one slice of it: replica d of n
+    holds rows m*B/M + [d*b, (d+1)*b), b = B/(M*n), as its micro-batch m. So micro-batch m
+    holds the same rows on one device as over the replicas (the global balance loss sums its
+    token counts over them); with M = 1 replica d holds the d-th n-th of the batch. Returns
+    the global row of each of its rows, in its order. Context-parallel ranks share their rows
+    and split each sequence instead (context_parallel/). Reads only grid.config and grid.coords."""
     ep, dp = grid.config.ep, grid.config.dp
     n, d = ep * dp, grid.coords["ep"] + ep * grid.coords["dp"]
-    if batch % n:
+    if batch % (n * microbatches):
         raise ValueError(f"global batch {batch} is not divisible by the {n} data-parallel "
-                         f"replicas (dp x ep): use a multiple of {n}")
-    b = batch // n
-    return slice(d * b, (d + 1) * b)
+                         f"replicas (dp x ep) times {microbatches} micro-batches: use a "
+                         f"multiple of {n * microbatches}")
+    b = batch // (n * microbatches)
+    return torch.cat([torch.arange(m * n * b + d * b, m * n * b + (d + 1) * b)
+                      for m in range(microbatches)])
 
 
-def _unpipelined(model, engine, hooks, tokens, targets, step_seed, first, microbatches,
+def in_row_order(gathered: torch.Tensor, replicas: int, microbatches: int) -> torch.Tensor:
+    """Every replica's rows (its replica_rows), replica after replica as an all-gather over
+    grid.ep_dp along dim 0 holds them, put back in the global batch's order."""
+    b = gathered.shape[0] // (replicas * microbatches)
+    return gathered.reshape(replicas, microbatches, b, *gathered.shape[1:]).transpose(0, 1) \
+        .reshape(gathered.shape)
+
+
+def _unpipelined(model, engine, hooks, tokens, targets, step_seed, rows, microbatches,
                  loss_scale, keep):
-    """Micro-batches of this replica's rows on a rank that holds every layer."""
+    """Micro-batches of this replica's rows (`rows`: their global rows) on a rank that holds
+    every layer."""
     grid, cp = model.grid, model.grid.cp
-    if tokens.shape[0] % microbatches:
-        raise ValueError(f"{tokens.shape[0]} rows per replica do not split into {microbatches} "
-                         f"micro-batches: choose a divisor of {tokens.shape[0]}")
     mb, layout = tokens.shape[0] // microbatches, hooks.cp_layout()
     total, kept = torch.zeros((), dtype=torch.float32, device=tokens.device), []
     for m in range(microbatches):
-        rows = slice(m * mb, (m + 1) * mb)
+        mine = slice(m * mb, (m + 1) * mb)
         last = m == microbatches - 1
         quiet = engine.no_sync() if engine is not None and not last else contextlib.nullcontext()
         with quiet:
             x, logits, loss = parallel_step(
-                model, shard_sequence(tokens[rows], cp.size, cp.rank, layout),
-                shard_sequence(targets[rows], cp.size, cp.rank, layout), step_seed,
-                first_row=first + m * mb, loss_scale=loss_scale / microbatches, finish=lambda: None)
+                model, shard_sequence(tokens[mine], cp.size, cp.rank, layout),
+                shard_sequence(targets[mine], cp.size, cp.rank, layout), step_seed,
+                first_row=int(rows[m * mb]), loss_scale=loss_scale / microbatches, finish=lambda: None)
         total += loss.detach().float() / microbatches
         if keep:
             kept.append((x, logits.detach()))
@@ -130,7 +143,7 @@ def _unpipelined(model, engine, hooks, tokens, targets, step_seed, first, microb
     return total, logits, dx
 
 
-def _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed, first, keep):
+def _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed, rows, keep):
     """The pipeline executor on this replica's rows, under the engine's no_sync. DataParallel's
     sync comes back on where the rank's last micro-batch's backward begins (Megatron's way; not
     under a B/W split, see executor.last_backward_tail), so its buckets start while that
@@ -141,7 +154,7 @@ def _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed, first
     def resume():
         engine.sync_enabled = True
     with quiet:
-        result = run_schedule(schedule, model, tokens, targets, layout=hooks.cp_layout(), first_row=first,
+        result = run_schedule(schedule, model, tokens, targets, layout=hooks.cp_layout(), rows=rows,
                               keep_outputs=keep, finalize_grads=engine is None,
                               on_last_backward=resume if isinstance(engine, DataParallel) else None)
     if engine is not None:
@@ -160,24 +173,26 @@ def forward_backward(model, schedule, tokens, targets, step_seed: int, *, engine
                      hooks: StepHooks = NO_HOOKS, microbatches: int = 1, loss_scale: float = 1.0,
                      keep_outputs: bool = False) -> StepOutput:
     """Forward and backward of the global batch (tokens, targets: the same on every rank);
-    this rank runs its replica's rows. Returns the batch's mean loss (its logits and dL/dX
-    gathered over the replicas too with keep_outputs). Each replica's loss is the mean over
-    its rows, so the batch's is their mean, and its dL/dX each replica's over their number."""
+    this rank runs its replica's rows (replica_rows, by the schedule's micro-batches or
+    `microbatches`). Returns the batch's mean loss (its logits and dL/dX gathered over the
+    replicas too with keep_outputs, in the batch's row order). Each replica's loss is the mean
+    over its rows, so the batch's is their mean, and its dL/dX each replica's over their number."""
     grid = model.grid
-    rows = replica_rows(tokens.shape[0], grid)
+    m = schedule.microbatches if schedule is not None else microbatches
+    rows = replica_rows(tokens.shape[0], grid, m)
     tokens, targets = tokens[rows], targets[rows]
     with hooks.step():
         if schedule is None:
             loss, logits, dx = _unpipelined(model, engine, hooks, tokens, targets, step_seed,
-                                            rows.start, microbatches, loss_scale, keep_outputs)
+                                            rows, microbatches, loss_scale, keep_outputs)
         else:
             loss, logits, dx = _pipelined(model, engine, hooks, schedule, tokens, targets, step_seed,
-                                          rows.start, keep_outputs)
+                                          rows, keep_outputs)
     replicas = grid.ep_dp      # the ranks that ran other rows (cp is already gathered back)
     n = replicas.size
     if n > 1:
         loss = comm.all_reduce(loss.detach().clone().reshape(1), replicas)[0] / n
         if keep_outputs:
-            logits = comm.all_gather(logits.contiguous(), replicas, dim=0)
-            dx = comm.all_gather(dx.contiguous(), replicas, dim=0) / n
+            logits = in_row_order(comm.all_gather(logits.contiguous(), replicas, dim=0), n, m)
+            dx = in_row_order(comm.all_gather(dx.contiguous(), replicas, dim=0), n, m) / n
     return StepOutput(loss.detach(), logits, dx)

@@ -38,17 +38,20 @@ import torch.nn.functional as F
 
 from ..context_parallel import shard_sequence, unshard_sequence
 from ..runtime import comm
+from ..train.step import in_row_order, replica_rows
 from .checks import Row
 
 
-def gather_pairs(local: torch.Tensor, grid, batch: int) -> torch.Tensor:
+def gather_pairs(local: torch.Tensor, grid, batch: int, microbatches: int = 1) -> torch.Tensor:
     """A per-(token, choice) tensor [n_local, k] of one MoE layer, as the whole batch's
-    [b, s, k] in token order (collective): tp under SP, then cp's chunks, then ep_dp's rows."""
+    [b, s, k] in token order (collective): tp under SP, then cp's chunks, then ep_dp's rows
+    (each replica's train.step.replica_rows, by `microbatches`)."""
     pairs = local.view(batch // grid.ep_dp.size, -1, local.shape[-1])
     if grid.sequence_parallel:
         pairs = comm.all_gather(pairs.contiguous(), grid.tp, dim=1)
     pairs = unshard_sequence(pairs, grid.cp)
-    return comm.all_gather(pairs.contiguous(), grid.ep_dp, dim=0)
+    return in_row_order(comm.all_gather(pairs.contiguous(), grid.ep_dp, dim=0), grid.ep_dp.size,
+                        microbatches)
 
 
 def _positions(rows: torch.Tensor, grid) -> torch.Tensor:
@@ -61,8 +64,7 @@ def _positions(rows: torch.Tensor, grid) -> torch.Tensor:
 
 def local_pairs(full: torch.Tensor, grid) -> torch.Tensor:
     """The inverse of gather_pairs: this rank's [n_local, k] of the batch's [b, s, k]."""
-    rows = full.shape[0] // grid.ep_dp.size
-    mine = _positions(full[grid.ep_dp.rank * rows:(grid.ep_dp.rank + 1) * rows], grid)
+    mine = _positions(full[replica_rows(full.shape[0], grid)], grid)
     return mine.reshape(-1, full.shape[-1]).contiguous()
 
 
@@ -120,8 +122,8 @@ class MicroBatchRouting:
     """Per micro-batch inside pipeline stages (module docstring): each MoE layer of this rank
     takes the reference's choices for the rows it routes (`impose`), and its choices are kept."""
 
-    def __init__(self, model, grid):
-        self.grid, self.rng = grid, model.rng
+    def __init__(self, model, grid, microbatches: int):
+        self.grid, self.rng, self.microbatches = grid, model.rng, microbatches
         moe = [i for i in range(model.cfg.n_layers) if model.cfg.is_moe_layer(i)]
         self.n_layers, self.k = len(moe), model.cfg.topk
         self.layers = {moe.index(int(i)): layer.mlp for i, layer in model.layers.items()
@@ -133,7 +135,7 @@ class MicroBatchRouting:
     def start(self, shape, imposed: list[torch.Tensor] | None) -> None:
         """A step of the global batch `shape` [b, s]; imposed: the reference's choices or None."""
         b, s = shape
-        self.first_row = self.grid.ep_dp.rank * (b // self.grid.ep_dp.size)
+        self.rows = replica_rows(b, self.grid, self.microbatches).to(self.grid.device)  # ascending
         local = _positions(torch.zeros(b // self.grid.ep_dp.size, s, self.k, dtype=torch.int64,
                                        device=self.grid.device), self.grid)
         self.used = {j: local.clone() for j in self.layers}
@@ -147,7 +149,7 @@ class MicroBatchRouting:
                 layer.imposed_experts = _positions(self.imposed[j][rows], self.grid) \
                     .reshape(-1, self.k).contiguous()
             y = forward(x)
-            r, mine = layer.routing, rows - self.first_row
+            r, mine = layer.routing, torch.searchsorted(self.rows, rows)   # their places here
             self.used[j][mine] = r.experts.view(len(rows), -1, self.k)
             if r.own is not None:
                 self.own[j][mine] = r.own.view(len(rows), -1, self.k)
@@ -159,7 +161,8 @@ class MicroBatchRouting:
         (collective: gathered inside this rank's stages, then summed over pp)."""
         out = torch.zeros(self.n_layers, *shape, self.k, dtype=torch.int64, device=self.grid.device)
         for j, pairs in sorted(getattr(self, which).items()):
-            out[j] = gather_pairs(pairs.reshape(-1, self.k).to(out.device), self.grid, shape[0])
+            out[j] = gather_pairs(pairs.reshape(-1, self.k).to(out.device), self.grid, shape[0],
+                                  self.microbatches)
         comm.all_reduce(out, self.grid.pp)
         return list(out)
 

@@ -42,20 +42,20 @@ def make_batch(step: int, seed: int, batch: int, seq: int, vocab: int):
 
 
 def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.float32,
-                   loss_scale: float = 1.0, microbatches: int = 1, replicas: int = 1,
+                   loss_scale: float = 1.0, microbatches: int = 1,
                    choices: list | None = None, scores: list | None = None):
     """The same on the reference: what GPT.forward does, with X kept. (loss_dtype=float64 makes
     a float64 model exact up to float64 rounding: the oracle tests measure float32 against.)
 
     microbatches > 1 (experts inside pipeline stages): the routers' auxiliary losses are over
     each micro-batch, as the split model's are, so the reference runs the same micro-batches:
-    micro-batch k is the k-th of every one of `replicas` data-parallel replicas' rows.
+    micro-batch k is rows [k*B/m, (k+1)*B/m), whatever the replicas (train.step.replica_rows).
     `choices`, a list: filled with the routers' choices of the whole batch, [b, s, k] per MoE
     layer (micro-batch by micro-batch, as they were made); `scores` with the scores they chose
     by, [b, s, E] (routing.reference_scores)."""
     if microbatches > 1:
         return _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale,
-                                       microbatches, replicas, choices, scores)
+                                       microbatches, choices, scores)
     ref.rng.reset(step_seed)
     x = ref.embed(tokens)
     x.retain_grad()
@@ -69,40 +69,31 @@ def reference_step(ref: GPT, tokens, targets, step_seed: int, loss_dtype=torch.f
     return x, logits, loss
 
 
-def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale, m, replicas,
+def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_scale, m,
                             choices=None, scores=None):
-    b = tokens.shape[0] // replicas
-    mb = b // m
-    x_all = torch.empty(*tokens.shape, ref.cfg.hidden, dtype=next(ref.parameters()).dtype,
-                        device=tokens.device)
-    logits_all, loss = None, 0.0
+    mb = tokens.shape[0] // m
+    grads, logits_all, chosen, by, loss = [], [], [], [], 0.0
     for k in range(m):
-        rows = torch.cat([torch.arange(r * b + k * mb, r * b + (k + 1) * mb) for r in range(replicas)])
+        rows = slice(k * mb, (k + 1) * mb)
         ref.rng.reset(step_seed)
-        ref.rng.rows_at(rows)                     # the masks of those global rows
+        ref.rng.rows_from(k * mb)                 # the masks of those global rows
         x = ref.embed(tokens[rows])
         x.retain_grad()
         logits = ref.run_layers(x) @ ref.output_weight().t()
-        if choices is not None:
-            if k == 0:
-                choices[:] = [torch.zeros(*tokens.shape, ref.cfg.topk, dtype=torch.int64,
-                                          device=tokens.device) for _ in ref.moe_layers()]
-            for full, mine in zip(choices, routing.reference_choices(ref, tokens[rows].shape)):
-                full[rows] = mine
-        if scores is not None:
-            if k == 0:
-                scores[:] = [torch.zeros(*tokens.shape, ref.cfg.n_experts, device=tokens.device)
-                             for _ in ref.moe_layers()]
-            for full, mine in zip(scores, routing.reference_scores(ref, tokens[rows].shape)):
-                full[rows] = mine
+        chosen.append(routing.reference_choices(ref, tokens[rows].shape))
+        by.append(routing.reference_scores(ref, tokens[rows].shape) if scores is not None else [])
         part = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets[rows].flatten()) + ref.moe_loss()
         (part * loss_scale / m).backward()
-        if logits_all is None:
-            logits_all = torch.empty(*tokens.shape, logits.shape[-1], dtype=logits.dtype, device=logits.device)
-        x_all[rows], logits_all[rows] = x.grad, logits.detach()
+        grads.append(x.grad)
+        logits_all.append(logits.detach())
         loss = loss + part.detach() / m
+    if choices is not None:                      # per MoE layer, the micro-batches' in row order
+        choices[:] = [torch.cat(layer) for layer in zip(*chosen)]
+    if scores is not None:
+        scores[:] = [torch.cat(layer) for layer in zip(*by)]
+    x_all = torch.cat(grads)
     x_all.grad = x_all.clone()                   # what the callers read: dL/dX in row order
-    return x_all, logits_all, loss
+    return x_all, torch.cat(logits_all), loss
 
 
 def _from_rank0(tensors: dict, grid) -> dict:
@@ -171,8 +162,8 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     # which choices the routers made, against the reference's: 16-bit experts or imposed choices;
     # inside pipeline stages micro-batch by micro-batch (routing.MicroBatchRouting)
     count_choices = bool(mcfg.n_experts) and (low or reference_routing)
-    per_micro = routing.MicroBatchRouting(model, grid) if count_choices and run.schedule is not None \
-        else None
+    per_micro = routing.MicroBatchRouting(model, grid, run.schedule.microbatches) \
+        if count_choices and run.schedule is not None else None
     n_moe_layers = sum(mcfg.is_moe_layer(i) for i in range(mcfg.n_layers))
     ref_scale = FP16_LOSS_SCALE if dtype == torch.float16 else 1.0
     rows: list[Row] = []
@@ -189,7 +180,6 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
         def reference(model=ref):
             return reference_step(model, tokens, targets, step_seed, loss_scale=ref_scale,
                                   microbatches=run.schedule.microbatches if per_microbatch else 1,
-                                  replicas=grid.ep_dp.size,
                                   choices=ref_choices if model is ref else None,
                                   scores=ref_scores if model is ref else None)
         twins = [noise.twin(ref) for _ in noise.SPLITS] if lead and low else []   # before it steps
