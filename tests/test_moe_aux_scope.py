@@ -54,8 +54,8 @@ def one_device(run_ranks):
             "other": run_ranks(_curve, {}, "global", other_micro_batches(), world_size=1)[0]}
 
 
-@pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}, {"dp": 2, "ep": 2}],
-                         ids=["dp2", "ep2", "dp2xep2"])
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}, {"dp": 2, "ep": 2}, {"dp": 2, "pp": 2}],
+                         ids=["dp2", "ep2", "dp2xep2", "dp2xpp2"])   # pp: the schedule's 4 micro-batches
 def test_global_scope_gives_one_devices_curve(run_ranks, one_device, parallel):
     curves = run_ranks(_curve, parallel, "global", PLAIN, world_size=2 * len(parallel))
     for rank, curve in enumerate(curves):

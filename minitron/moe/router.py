@@ -37,7 +37,8 @@ Auxiliary losses, added to the language-model loss:
   z-loss (ST-MoE)        coeff * mean over tokens of logsumexp(z)^2: keeps logits small.
 Both are over the whole micro-batch by default (Megatron's "global" aux loss): f_e uses counts
 summed over every rank that holds other tokens, so a sharded run computes exactly the number of
-one device given the same micro-batch rows (ModelConfig.aux_loss_scope, moe/layer.py).
+one device with as many micro-batches (each micro-batch holds the same rows on any layout,
+train/step.py replica_rows; ModelConfig.aux_loss_scope, moe/layer.py).
 """
 from __future__ import annotations
 
