@@ -18,7 +18,11 @@ time_model.step_time multiplies it by a stage's layers and micro-batches.
               [b, a/t, s, d] to [s, b, h/t] (Megatron's core attention, permute(2, 0, 1, 3)
               .contiguous(): megatron/model/transformer.py of NVIDIA/Megatron-LM a0368ddf47 (2019),
               de7dc40f88 (Aug 2021, examples/sc21's commit) and 2755bcb87b (Jun 2022); minitron's
-              transpose + reshape, model/blocks.py); backward moves twice the forward's bytes.
+              transpose + reshape, model/blocks.py); the backward moves twice the forward's bytes
+              outside the core (LayerNorm's reads x and dy, writes dx, and reads both again for its
+              weights' gradients; bias-GeLU's reads x and dy, writes dx) and 11 S in the core: the
+              dropout's backward reads the gradient and the mask and writes (5 S), the softmax's
+              reads its output and the gradient and writes (6 S), not twice the forward's 9 S.
   TP          per forward 2 all-reduces of 2E bytes (SP: 2 all-gathers + 2 reduce-scatters,
               the same bytes), 2 more in backward, 2 more when the forward is recomputed;
               a ring all-reduce moves 2(t-1)/t of the buffer at the group's bandwidth. The
@@ -55,6 +59,10 @@ from .shape import expert_ffn, shared_experts
 from .software import Software, software as named_software
 
 FUSED_CORE_BYTES, UNFUSED_CORE_BYTES = 9, 4 + 4 + 4 + 4 + 5    # per score element, one forward
+# per score element, one backward: dropout's (read the gradient 2 and the mask 1, write 2) and the
+# softmax's (read its output and the gradient, write: 6); unfused, also the scaling's and the mask
+# product's (read 2, write 2 each; the mask's constant term has no backward kernel)
+FUSED_CORE_BWD_BYTES, UNFUSED_CORE_BWD_BYTES = 5 + 6, 5 + 6 + 4 + 4
 FUSED_RESIDUAL_BYTES, UNFUSED_RESIDUAL_BYTES = 7, 4 + 5 + 6    # per element, one residual branch
 
 def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, moe: bool,
@@ -91,13 +99,15 @@ def layer_seconds(cfg: ModelConfig, par: Parallel, cluster: Cluster, seq: int, m
     core_bytes, residual_bytes = ((FUSED_CORE_BYTES, FUSED_RESIDUAL_BYTES) if sw.fused_kernels
                                   else (UNFUSED_CORE_BYTES, UNFUSED_RESIDUAL_BYTES))
     ew_fwd_core = 0 if sw.flash_attention else core_bytes * S
+    ew_bwd_core = 0 if sw.flash_attention else (FUSED_CORE_BWD_BYTES if sw.fused_kernels
+                                                else UNFUSED_CORE_BWD_BYTES) * S
     visits = (mlp_rows / rows + shared_experts(cfg)) if moe else 1
     ew_fwd_rest = (2 * 4 + 2 * residual_bytes) * R + 2 * (mats + 1) * E * (f / h) * visits / t
     if not sw.flash_attention:
         ew_fwd_rest += 4 * E / t                    # the context made contiguous again (docstring)
     passes = {"none": 3, "selective": 3, "full": 4}[par.recompute]      # fwd, bwd (2x), [fwd]
-    core_passes = 4 if par.recompute != "none" else 3
-    memory_bound = (passes * ew_fwd_rest + core_passes * ew_fwd_core) / (g.hbm_bw * g.hbm_eff)
+    core_forwards = 2 if par.recompute != "none" else 1                 # fwd [, recomputed fwd]
+    memory_bound = (passes * ew_fwd_rest + core_forwards * ew_fwd_core + ew_bwd_core) / (g.hbm_bw * g.hbm_eff)
 
     n_ar = 6 if par.recompute == "full" else 4
     one = ring_seconds(2 * E, t, link("tp", par, cluster), base=cluster.gpu.collective_latency)
