@@ -262,3 +262,22 @@ def test_summary_says_pass_with_its_margin_or_fail_with_its_ratio():
     assert wide.summary() == "PASS, every error at most 1/3 of its tolerance: True"
     assert narrow.summary() == "PASS, every error at most 1/3 of its tolerance: False"
     assert failed.summary() == "FAIL, worst: step 1 grad w, 2x its tolerance"
+
+
+# ---- a plant's target: checked against the whole model, planted where it is held --------------
+@pytest.mark.parametrize("pcfg,opts,caught", [
+    (ParallelConfig(pp=2), {}, "grad layers.*.mlp.fc1.weight"),        # stage 1 holds layer 1
+    (ParallelConfig(ep=2), dict(n_experts=4, topk=2), "grad layers.*.mlp.experts.fc1.weight"),
+])
+def test_grad_plant_reaches_a_stage_or_experts_that_hold_its_target(pcfg, opts, caught):
+    """A pipeline rank that does not hold the target plants nothing (it used to stop the run
+    with "no parameter named"); an MoE model's MLP is its experts, the default target there."""
+    report = verify.verify(pcfg, ModelConfig(**{**SMALL, **opts}), steps=1, plant="grad",
+                           schedule="1f1b" if pcfg.pp > 1 else None,
+                           microbatches=2 if pcfg.pp > 1 else None)
+    assert [r.quantity for r in report.failures] == [caught], report.table()
+
+
+def test_a_plant_target_no_parameter_has_is_refused_before_launch():
+    with pytest.raises(ValueError, match=r"plant grad: no parameter named \*nonsense; one that exists: "):
+        verify.verify(ParallelConfig(tp=2), ModelConfig(**SMALL), plant="grad:nonsense")

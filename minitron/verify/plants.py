@@ -36,9 +36,9 @@ from .plants_tp_overlap import misfiled
 PLANTS = {
     "replica-drift": "after finalize_grads, tp rank 1 halves its norm weights' gradients",
     "weight-drift": "after the step, tp rank 1 moves final_norm.weight up by one float spacing",
-    "grad": "one gradient max(1%, 5 eps) off on every rank (GRAD_ERROR; bfloat16: 3.9%; default "
-            "layers.0.mlp.fc1.weight)",
-    "update": "one tensor's update 1% too large on every rank (default layers.0.mlp.fc1.weight; "
+    "grad": "one gradient max(1%, 5 eps) off on every rank that holds it (GRAD_ERROR; bfloat16: "
+            "3.9%; default layers.0.mlp.fc1.weight, with experts layers.0.mlp.experts.fc1.weight)",
+    "update": "one tensor's update 1% too large on every rank that holds it (default as grad; "
               "in 16 bits its fp32 master's: the weight the optimizer steps)",
     "fp16-unscaled-loss": "float16: the split side's loss is not scaled (scale 1 where the reference "
                           "scales by 1024), so its small gradients underflow",
@@ -112,14 +112,25 @@ class Plant(StepHooks):
             raise ValueError(f"unknown plant {self.kind!r}: choose one of {sorted(PLANTS)}")
         defaults = {"replica-drift": "norm.weight", "weight-drift": "final_norm.weight"}
         self.target = target or defaults.get(self.kind, "layers.0.mlp.fc1.weight")
+        self._chosen = bool(target) or self.kind in defaults
         self._before: torch.Tensor | None = None
         self._sent: dict[int, torch.Tensor] = {}     # pp-stale-grad: stage -> last gradient sent
 
+    def resolve(self, reference) -> "Plant":
+        """Check the target against the one-device model, which holds every parameter: a rank
+        of a split may hold none of it (another pipeline stage). An MoE layer's MLP is its
+        experts, so grad and update default to the first layer's experts there."""
+        names = [n for n, _ in reference.named_parameters()]
+        if not self._chosen and reference.cfg.n_experts:
+            self.target = "layers.0.mlp.experts.fc1.weight"
+        if not any(n.endswith(self.target) for n in names):
+            raise ValueError(f"plant {self.kind}: no parameter named *{self.target}; "
+                             f"one that exists: {names[len(names) // 2]}")
+        return self
+
     def _params(self, model) -> list[torch.nn.Parameter]:
-        found = [p for n, p in model.named_parameters() if n.endswith(self.target)]
-        if not found:
-            raise ValueError(f"plant {self.kind}: no parameter named *{self.target}")
-        return found
+        """This rank's pieces of the target (none on a stage that holds another layer)."""
+        return [p for n, p in model.named_parameters() if n.endswith(self.target)]
 
     def install(self, model) -> None:
         """Put a dispatch fault into every MoE layer of `model` (moe-* plants) or a scaling fault
@@ -226,7 +237,10 @@ class Plant(StepHooks):
     def _stepped(self, model, run) -> list[torch.Tensor]:
         """What the optimizer steps for the target: the weight, or in a 16-bit run the pieces
         of its fp32 master this rank owns."""
-        p = self._params(model)[0]
+        held = self._params(model)
+        if not held:
+            return []
+        p = held[0]
         opt = getattr(run, "optimizer", None) if run is not None and run.engine is not None else None
         if opt is None or opt.master_is_model:
             return [p]

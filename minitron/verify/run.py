@@ -10,6 +10,7 @@ from ..grid import ParallelConfig
 from ..model.splits import validate_model
 from ..config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
+from ..model.reference import GPT
 from ..runtime.launch import DEFAULT_TIMEOUT, launch
 from ..tensor_parallel.fp8_blocks import fit_block, split_pieces
 from ..train.engine import check_supported, resolve_schedule
@@ -49,7 +50,8 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     seq = seq or model_config.seq_len
     validate_model(parallel_config, model_config, seq)
     fp8 = verify_recipe(fp8, parallel_config, model_config, batch, sched, seq)
-    Plant(plant).check_fp8(fp8)                       # an unknown plant fails here, not in a rank
+    # an unknown plant, or one whose target no parameter has, fails here, not in a rank
+    Plant(plant).check_fp8(fp8).resolve(GPT(model_config, seed))
     if model_config.use_kernels:
         enable_kernels(model_config, parallel_config.world_size)
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,

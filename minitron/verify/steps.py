@@ -138,6 +138,7 @@ def run_rank(pcfg: ParallelConfig, mcfg: ModelConfig, steps: int, dtype: torch.d
     None: only in 16 bits and FP8, where a rounding may flip a top-k."""
     seq, planted = seq or mcfg.seq_len, Plant(plant)
     ref = GPT(mcfg, seed).to(dtype)
+    planted.resolve(ref)
     if fp8 is not None:     # the same FP8 GEMMs, at the split's casting points (fused qkv, [gate; up])
         ref.enable_fp8(fp8)
     run = TrainingRun(mcfg, pcfg, schedule=schedule, zero_stage=zero, dtype=dtype, lr=lr, eps=eps,
