@@ -309,3 +309,26 @@ def test_megatrons_core_attention_copies_its_context_back(software):
     g = cluster.gpu
     got = layer_seconds(cfg, par, cluster, 2048, False, SOFTWARE[software])["memory-bound ops"]
     assert got == pytest.approx((4 * rest + 2 * 9 * S + 11 * S) / (g.hbm_bw * g.hbm_eff))
+
+
+def test_shoeybis_4b_and_8b_points_outrun_the_dgx2hs_nics():
+    """Why no bandwidth model gives Shoeybi et al.'s 64-way points (Figure 5), with the 2019 code's
+    all-reduce after the backward: the time each point lost to data parallelism (its step at 64x
+    less its step alone, from the figure's efficiencies and §5.1's 39 TFLOP/s baseline) against the
+    fewest bytes each DGX-2H must send for it, 2(k-1)/k of every data-parallel group's fp16
+    gradients over k nodes (any all-reduce algorithm; tp groups per node run at once). The 1.2B and
+    2.5B points need less than the node's 8 x 100 Gb/s (§5: 100 GB/s per server), the 4.2B and 8.3B
+    points more than it can carry at all: they are not reachable with that all-reduce exposed."""
+    from minitron.estimate.flops import iteration_flops
+    from minitron.estimate.optimizer_time import params_per_rank
+    needed = {}
+    for name, a, h, layers, tp, alone, replicated in published.SHOEYBI_WEAK:
+        cfg = published.gpt(a, h, layers, seq=1024)
+        per_gpu = iteration_flops(cfg, 8, 1024, "full") / tp / 39e12
+        lost = per_gpu / replicated - per_gpu / alone
+        nodes = tp * published.SHOEYBI_DP // 16
+        grads = 2 * params_per_rank(cfg, Parallel(tp=tp, dp=published.SHOEYBI_DP, zero=0))[0]
+        needed[name] = tp * 2 * (nodes - 1) / nodes * grads / lost        # B/s out of each node
+    nics = 8 * 100e9 / 8
+    assert needed["1.2B"] < nics and needed["2.5B"] < nics
+    assert needed["4.2B"] > 1.5 * nics and needed["8.3B"] > 3 * nics
