@@ -317,8 +317,9 @@ def test_shoeybis_4b_and_8b_points_outrun_the_dgx2hs_nics():
     less its step alone, from the figure's efficiencies and §5.1's 39 TFLOP/s baseline) against the
     fewest bytes each DGX-2H must send for it, 2(k-1)/k of every data-parallel group's fp16
     gradients over k nodes (any all-reduce algorithm; tp groups per node run at once). The 1.2B and
-    2.5B points need less than the node's 8 x 100 Gb/s (§5: 100 GB/s per server), the 4.2B and 8.3B
-    points more than it can carry at all: they are not reachable with that all-reduce exposed."""
+    2.5B points need 39 and 25 GB/s, less than the node's 8 x 100 Gb/s (§5: 100 GB/s per server),
+    the 4.2B and 8.3B points 181 and 334 GB/s, more than it can carry at all: they are not
+    reachable with that all-reduce exposed."""
     from minitron.estimate.flops import iteration_flops
     from minitron.estimate.optimizer_time import params_per_rank
     needed = {}
