@@ -154,6 +154,7 @@ class GroupBuffer:
         buckets = self.layout.buckets
         self.owned = self.layout.owned(r, n) if stage >= 1 else [(b.start, b.end) for b in buckets]
         self.grads_flat = self.grad_shard = None
+        self.stamp_finish = False
         self.grad_views: dict[nn.Parameter, torch.Tensor] = {}   # stages 0/1: p's piece of grads_flat
         if stage < 2:
             self.grads_flat = torch.zeros_like(self.params_flat)
@@ -235,6 +236,8 @@ class GroupBuffer:
             offset += g.numel()
 
     def launch(self, b: int) -> None:
+        """Start bucket b's collective (its finish stamped by the backend's own thread only if
+        `stamp_finish`: comm_async.Pending; DataParallel sets it)."""
         bucket = self.layout.buckets[b]
         averaged = self.scale != 1.0          # one replica: nothing to average, skip the pass
         if self.stage < 2:
@@ -253,9 +256,9 @@ class GroupBuffer:
                     torch.mul(p.grad.reshape(-1), self.scale, out=data[o:o + p.numel()])
                 p.grad = None
         if self.stage == 0:
-            self.pending[b] = comm_async.all_reduce(data, self.group)
+            self.pending[b] = comm_async.all_reduce(data, self.group, stamp=self.stamp_finish)
         else:
-            self.pending[b] = comm_async.reduce_scatter(data, self.group)
+            self.pending[b] = comm_async.reduce_scatter(data, self.group, stamp=self.stamp_finish)
 
     def land(self, b: int) -> None:
         """Wait for bucket b; ZeRO: put this rank's reduced 1/n where its optimizer reads it."""

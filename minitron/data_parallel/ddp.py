@@ -54,7 +54,13 @@ ZeRO, where the two stages' ranks keep different pieces of their buffers.
 
 Overlap, measured: each collective records when it started and finished (comm_async), so
 `comm_events()` is a timeline (pipeline/actions.py's Event) and `hidden_fraction()` the share
-of communication time that ran before backward ended.
+of communication time that ran before backward ended. The finish is, by default, the first
+moment this rank saw the collective done: every gradient hook asks the oldest unfinished one
+(Pending.poll), so does the end of backward, and waiting stamps the rest; late by at most the
+gap between two hooks. `exact_timeline = True` has gloo's own thread stamp it as it completes
+instead: a Python callback per collective, the GIL handed from the training thread to gloo's
+and back each time, which cost the step a measurable share of its time at 1 MB buckets (bench
+peers); torch's DDP keeps no timeline at all.
 """
 from __future__ import annotations
 
@@ -131,8 +137,19 @@ class DataParallel(GradientEngine):
         self.sync_enabled = True
         self.events: list[tuple[str, object, float]] = []   # (what, bucket or name, time): the overlap
         self.collectives: list[tuple[int, comm_async.Pending]] = []   # (bucket, its collective)
+        self._unstamped = 0        # collectives[:_unstamped] have their finish stamped
         self.backward_end: float | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    @property
+    def exact_timeline(self) -> bool:
+        """Whether gloo's thread stamps each collective's finish (module docstring); off: polled."""
+        return all(gb.stamp_finish for gb in self.buffers)
+
+    @exact_timeline.setter
+    def exact_timeline(self, on: bool) -> None:
+        for gb in self.buffers:
+            gb.stamp_finish = bool(on)
 
     # ---- GradientEngine (engine_api.py): the training loop ------------------------------
     @contextlib.contextmanager
@@ -148,6 +165,8 @@ class DataParallel(GradientEngine):
         """Start the buckets not yet started, wait for all, then sum the sequence-parallel
         parameters' gradients over tp (what model.finalize_grads does, on the kept pieces)."""
         self.backward_end = time.perf_counter()
+        for _, pending in self.collectives:   # those done by now finished inside backward
+            pending.poll()
         for gb in self.buffers:
             while gb.next_launch < len(gb.layout.buckets):
                 self._launch(gb, gb.next_launch)
@@ -174,6 +193,7 @@ class DataParallel(GradientEngine):
                 p.grad = None
         self.events.clear()
         self.collectives.clear()
+        self._unstamped = 0
 
     # ---- what the optimizer (zero.py) and the checks read ---------------------------
     def owned_params(self) -> list[torch.Tensor]:
@@ -206,7 +226,7 @@ class DataParallel(GradientEngine):
                 continue                      # this rank updated everything itself
             for b, (s, e) in zip(gb.layout.buckets, gb.owned):
                 pending = comm_async.all_gather(gb.params_flat[s:e].clone(), gb.group,
-                                                out=gb.params_flat[b.start:b.end])
+                                                out=gb.params_flat[b.start:b.end], stamp=False)
                 pending.wait()
 
     def param_tensors(self) -> list[torch.Tensor]:
@@ -244,6 +264,9 @@ class DataParallel(GradientEngine):
         if not self.sync_enabled:
             return
         self.events.append(("grad", self.names[p], time.perf_counter()))
+        # stamp finished collectives (oldest first: gloo completes them in order) as we go
+        while self._unstamped < len(self.collectives) and self.collectives[self._unstamped][1].poll():
+            self._unstamped += 1
         if late:
             return                            # started by finish_grad_sync, after sum_shared
         gb.ready[b] += 1

@@ -72,7 +72,7 @@ class _Unit:
         if self.gathered or not self.sharded:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        comm_async.all_gather(self.shard, self.group, out=self.full).wait()
+        comm_async.all_gather(self.shard, self.group, out=self.full, stamp=False).wait()
         self.gathered = True
 
     def free(self, force: bool = False) -> None:

@@ -16,8 +16,12 @@ next key/value block, then computes on the one it holds).
 
 Inputs must be contiguous (the result is written where the collective puts it, no copy back).
 Each Pending records when it started and when the collective finished (`started`, `finished`,
-time.perf_counter() seconds; from the work's future where the backend offers one, otherwise the
-end of `wait()`, an upper bound): a measured timeline of the overlap.
+time.perf_counter() seconds): a measured timeline of the overlap. With `stamp=True` (the
+default) the finish is stamped by the backend's own thread, through the work's future, when the
+collective completes; that is a Python callback, so gloo's thread must take the GIL from the
+training thread once per collective (data parallelism's buckets pass `stamp=False` unless asked
+for the exact timeline: ddp.py). With `stamp=False` it is the first moment the caller saw it
+done, `poll()` or the end of `wait()`: an upper bound, as it is for a backend without futures.
 """
 from __future__ import annotations
 
@@ -36,12 +40,12 @@ class Pending:
     """A collective in flight. `wait()` blocks until it is done and returns its result."""
 
     def __init__(self, op: str, group: Group, work, result: torch.Tensor | None,
-                 finish: Callable[[], None] | None = None):
+                 finish: Callable[[], None] | None = None, *, stamp: bool = True):
         self.op, self.group, self.result = op, group, result
         self._work, self._finish = work, finish
         self.started = time.perf_counter()
         self.finished: float | None = None if work is not None else self.started
-        if work is not None:
+        if work is not None and stamp:
             try:
                 work.get_future().add_done_callback(self._mark_finished)
             except (RuntimeError, AttributeError):   # a backend without futures: wait() marks it
@@ -50,6 +54,13 @@ class Pending:
     def _mark_finished(self, _future) -> None:
         if self.finished is None:
             self.finished = time.perf_counter()
+
+    def poll(self) -> bool:
+        """Whether the collective has finished (not yet waited for, perhaps); the first True
+        stamps `finished` if nothing did before. Costs no GIL hand-over: the caller's thread asks."""
+        if self.finished is None and self._work is not None and self._work.is_completed():
+            self.finished = time.perf_counter()
+        return self.finished is not None
 
     @property
     def done(self) -> bool:
@@ -76,7 +87,7 @@ def _start(op: str, group: Group, fn: Callable) -> object:
     return _call(f"start {op}", group, fn)
 
 
-def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", *, stamp: bool = True) -> Pending:
     """Start an in-place all-reduce of `t`; `wait()` returns `t` holding the reduction."""
     reduce_op, divide = _reduce_op(op, group)
     _contiguous(t, "all_reduce")
@@ -86,10 +97,10 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     _count(group, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
     work = _start("all_reduce", group,
                   lambda: dist.all_reduce(t, op=reduce_op, group=group.pg, async_op=True))
-    return Pending("all_reduce", group, work, t, (lambda: t.div_(n)) if divide else None)
+    return Pending("all_reduce", group, work, t, (lambda: t.div_(n)) if divide else None, stamp=stamp)
 
 
-def reduce_scatter(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
+def reduce_scatter(t: torch.Tensor, group: Group, op: str = "sum", *, stamp: bool = True) -> Pending:
     """Start reducing the flat `t` across ranks; `wait()` returns this rank's 1/n of it."""
     reduce_op, divide = _reduce_op(op, group)
     _contiguous(t, "reduce_scatter")
@@ -103,10 +114,12 @@ def reduce_scatter(t: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     _count(group, "reduce_scatter", _nbytes(t), (n - 1) / n * _nbytes(t))
     work = _start("reduce_scatter", group,
                   lambda: _reduce_scatter_flat(out, t, op=reduce_op, group=group.pg, async_op=True))
-    return Pending("reduce_scatter", group, work, out, (lambda: out.div_(n)) if divide else None)
+    return Pending("reduce_scatter", group, work, out, (lambda: out.div_(n)) if divide else None,
+                   stamp=stamp)
 
 
-def all_gather(t: torch.Tensor, group: Group, out: torch.Tensor | None = None) -> Pending:
+def all_gather(t: torch.Tensor, group: Group, out: torch.Tensor | None = None, *,
+               stamp: bool = True) -> Pending:
     """Start gathering every rank's flat `t` in rank order; `wait()` returns the n*len(t) result
     (written into `out` when given)."""
     _contiguous(t, "all_gather")
@@ -122,7 +135,7 @@ def all_gather(t: torch.Tensor, group: Group, out: torch.Tensor | None = None) -
     _count(group, "all_gather", _nbytes(out), (n - 1) / n * _nbytes(out))
     work = _start("all_gather", group,
                   lambda: _all_gather_flat(out, t.reshape(-1), group=group.pg, async_op=True))
-    return Pending("all_gather", group, work, out)
+    return Pending("all_gather", group, work, out, stamp=stamp)
 
 
 class _Batch:
@@ -134,6 +147,9 @@ class _Batch:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def exchange(ops: list[P2P], group: Group) -> Pending:
