@@ -246,18 +246,20 @@ def test_tied_embedding_summed_over_stages_then_averaged(run_ranks, stage):
             torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
 
 
-def test_overlap_measured(run_ranks):
+@pytest.mark.parametrize("exact", [False, True])      # polled stamps, or gloo's thread's
+def test_overlap_measured(run_ranks, exact):
     mcfg = ModelConfig(**BASE)
-    fractions = run_ranks(overlap_rank, mcfg, world_size=2)
+    fractions = run_ranks(overlap_rank, mcfg, exact, world_size=2)
     for n_events, fraction, ordered in fractions:
         assert n_events >= 3 and ordered and 0.0 <= fraction <= 1.0
         print(f"share of all-reduce time hidden behind backward: {fraction:.0%}")
 
 
-def overlap_rank(mcfg):
+def overlap_rank(mcfg, exact):
     grid = build_grid(ParallelConfig(dp=2))
     model = ParallelGPT(mcfg, grid, seed=SEED)
     engine = DataParallel(model, grid, bucket_numel=4096)
+    engine.exact_timeline = exact
     tokens, targets = make_batch(0, SEED, 8, mcfg.seq_len, mcfg.vocab_size)
     engine.zero_grad()
     forward_backward(model, None, tokens, targets, 0, engine=engine)
@@ -362,3 +364,22 @@ def test_a_parameter_without_a_gradient_sends_zeros(run_ranks, stage, plant):
     assert sum(g.numel() for g in step2) == 16 * (2 if stage == 0 else 1)   # whole, per copy
     assert any(g.abs().sum() > 0 for g in step1)               # it was used in step 1
     assert all(torch.equal(g, torch.zeros_like(g)) for g in step2) != plant
+
+
+def test_poll_stamps_the_finish_only_once_the_work_is_done():
+    class Work:                       # a collective in flight that the test completes by hand
+        completed = False
+
+        def is_completed(self):
+            return self.completed
+
+        def wait(self):
+            self.completed = True
+    work = Work()
+    pending = comm_async.Pending("all_reduce", comm.single_group(), work, None, stamp=False)
+    assert not pending.poll() and pending.finished is None          # not done: no stamp
+    work.completed = True
+    assert pending.poll() and pending.started <= pending.finished
+    first = pending.finished
+    pending.wait()
+    assert pending.finished == first                                # the first sighting stays

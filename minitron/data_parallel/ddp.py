@@ -55,12 +55,13 @@ ZeRO, where the two stages' ranks keep different pieces of their buffers.
 Overlap, measured: each collective records when it started and finished (comm_async), so
 `comm_events()` is a timeline (pipeline/actions.py's Event) and `hidden_fraction()` the share
 of communication time that ran before backward ended. The finish is, by default, the first
-moment this rank saw the collective done: every gradient hook asks the oldest unfinished one
-(Pending.poll), so does the end of backward, and waiting stamps the rest; late by at most the
-gap between two hooks. `exact_timeline = True` has gloo's own thread stamp it as it completes
-instead: a Python callback per collective, the GIL handed from the training thread to gloo's
-and back each time, which cost the step a measurable share of its time at 1 MB buckets (bench
-peers); torch's DDP keeps no timeline at all.
+moment this rank saw the collective done: each gradient hook asks the oldest unfinished one
+(Pending.poll), the end of backward asks all, and waiting stamps the rest as it returns; an
+upper bound, late by up to the gap between two such moments. `exact_timeline = True` has
+gloo's own thread stamp it as it completes instead: a Python callback per collective, the GIL
+handed from the training thread to gloo's and back each time, which cost about 1.4% of the
+step's CPU time (both ranks) at 1 MB buckets, measured beside torch's DDP with the same engine
+toggled; DDP keeps no timeline at all.
 """
 from __future__ import annotations
 
