@@ -220,7 +220,9 @@ def test_fine_grained_experts_pass_against_one_device(run_ranks, grid, recipe):
     assert report.passed, report.table()
     assert _expert_scales_compared(report)
     assert (recipe == "mxfp8") == any("powers of 2" in r.quantity for r in report.rows)
-    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 2, report.table()
+    # 3x (issue 30): ep2 x tp2+SP, mxfp8, passed by 2.5x while an expert's token-blocked largest
+    # block scale was compared (another cast there: fp8_rows._judged); now 4.5x, blockwise 3.3x
+    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 3, report.table()
 
 
 @pytest.mark.parametrize("plant,recipe", [
