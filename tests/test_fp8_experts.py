@@ -209,8 +209,8 @@ def test_fp8_experts_pass_against_one_device(run_ranks, grid, recipe):
     report = _report(run_ranks, grid, recipe)
     assert report.passed, report.table()
     assert _expert_scales_compared(report)
-    # the dense FP8 splits' bar (tests/test_fp8.py): the twins' noise is the tolerance's unit
-    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 2, report.table()
+    # issue 30's bar for every correct low-precision run: 3x (the twins' noise is the unit)
+    assert min(r.tol / r.err for r in report.rows if r.tol and r.err) >= 3, report.table()
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
