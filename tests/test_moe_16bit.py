@@ -46,9 +46,11 @@ def test_a_token_sent_to_the_wrong_expert_is_counted(run_ranks):
     assert not report.passed
 
 
-def test_a_router_that_chooses_wrongly_fails_where_a_near_tie_passes(run_ranks):
+def test_a_router_that_chooses_wrongly_fails_where_a_correct_run_passes(run_ranks):
     # by default in 16 bits the reference's routing is taken; the split's own top-k is judged by
-    # the reference's scores: a flip within a rounding passes, a token given its worst expert fails
+    # the reference's scores: a token given its worst expert fails. This run has no near tie on
+    # any CPU we checked, so a near tie passing is shown where one is planted (at a known gap):
+    # tests/test_moe_pipeline_16bit.py
     report = _run(run_ranks, "ep2", steps=2)
     assert report.passed, report.table()
     assert all("reference's taken" in r.quantity for r in _routing(report))
