@@ -80,8 +80,10 @@ def _reference_microbatches(ref, tokens, targets, step_seed, loss_dtype, loss_sc
         x = ref.embed(tokens[rows])
         x.retain_grad()
         logits = ref.run_layers(x) @ ref.output_weight().t()
-        chosen.append(routing.reference_choices(ref, tokens[rows].shape))
-        by.append(routing.reference_scores(ref, tokens[rows].shape) if scores is not None else [])
+        if choices is not None:
+            chosen.append(routing.reference_choices(ref, tokens[rows].shape))
+        if scores is not None:
+            by.append(routing.reference_scores(ref, tokens[rows].shape))
         part = F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets[rows].flatten()) + ref.moe_loss()
         (part * loss_scale / m).backward()
         grads.append(x.grad)
