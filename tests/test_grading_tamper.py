@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -285,6 +286,18 @@ DIES = {  # the kernel's process ends: in an answer cell, and in a check calling
 }
 
 
+def _entries_away_from(place: Path) -> str:
+    """This process's PYTHONPATH less any entry whose folder's parent holds `place`. The replay
+    searches the parent of every entry it is given; an entry of the tester's own (PYTHONPATH=/tmp/x)
+    would lead it to this test's course under /tmp, a path the grader never handed the kernel.
+    (A learner's course is their own files, reachable the same way: what this test holds is that
+    the grader adds no path that leads to the reference.)"""
+    place = os.path.realpath(place)
+    kept = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if e and not place.startswith(os.path.dirname(os.path.realpath(e)) + os.sep)]
+    return os.pathsep.join(kept)
+
+
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tamper")
@@ -292,7 +305,9 @@ def course(tmp_path_factory):
     paths = {name: _learner(tmp / name, src) for name, src in {**ATTACKS, **RIGHT, **DIES}.items()}
     lines = []
     start = time.monotonic()
-    grades = grader.grade(list(paths.values()), solutions=tmp / "solutions", show=lines.append)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", _entries_away_from(tmp))
+        grades = grader.grade(list(paths.values()), solutions=tmp / "solutions", show=lines.append)
     return dict(zip(paths, grades)), lines, time.monotonic() - start
 
 
