@@ -14,7 +14,7 @@ from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
 from minitron.grade.forkserver import ForkServer
 
-PRELOAD = ("torch", "numpy", "IPython", "ipykernel.ipkernel", "jupyter_client.session")
+PRELOAD = ("torch", "torch._dynamo", "numpy", "IPython", "ipykernel.ipkernel", "jupyter_client.session")
 
 
 def install() -> None:

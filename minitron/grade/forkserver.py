@@ -30,6 +30,12 @@ from pathlib import Path
 # {"pid"} on stdout; {"exit", "code"} when a kernel ends (code as subprocess gives it).
 SERVER = r'''
 import ctypes, importlib, json, os, runpy, select, signal, sys
+try:                                      # PRELOAD's torch._dynamo imports triton: see there
+    import torch
+    if torch.cuda.device_count() == 0:
+        os.environ["TRITON_INTERPRET"] = "1"
+except Exception:
+    pass
 for name in sys.argv[1:]:
     try:
         __import__(name)
@@ -104,7 +110,12 @@ class ForkServerGone(Exception):
     run is graded (not a RuntimeError: the grader retries those, this ends the grading)."""
 
 
-PRELOAD = ("torch", "IPython", "ipykernel.ipkernel", "jupyter_client.session")
+# torch._dynamo: a torch optimizer's first construction imports it (1.4 s of CPU), in the kernel
+# or in each of a notebook's forked ranks. It imports triton, whose triton.jit decides between
+# compiler and interpreter as it decorates, so on a machine without a GPU the server imports it
+# under TRITON_INTERPRET=1, the only triton a kernel can run there (as tests/conftest.py does); a
+# kernel's own environment, and so its own kernels' choice, is the request's.
+PRELOAD = ("torch", "torch._dynamo", "IPython", "ipykernel.ipkernel", "jupyter_client.session")
 
 
 class ForkServer:
