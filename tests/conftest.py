@@ -45,6 +45,10 @@ def _import_triton_for_this_machine():
 
 
 _import_triton_for_this_machine()
+# A torch optimizer's first construction imports torch._dynamo (1.4 s of CPU), in every rank of a
+# WorkerPool and of a worker's first launch. Imported here, after triton (it imports triton too),
+# once per pytest process: every rank forked from it inherits it.
+import torch._dynamo  # noqa: E402,F401
 # Every multi-process test builds CPU tensors: gloo ranks even on a machine with GPUs.
 os.environ.setdefault("MINITRON_BACKEND", "gloo")
 # One torch thread here too, as every rank has: on the tests' tiny tensors a second thread only
