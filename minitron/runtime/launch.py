@@ -194,6 +194,15 @@ def _echo(ranks: list[_Rank], replies: dict[int, tuple], echo: bool, failed: boo
                 print(f"[rank {r.rank}] {line}", file=stream)
 
 
+def ranks_will_build_optimizers() -> None:
+    """Say that the next launches' ranks each build a torch optimizer (the training engine does):
+    torch._dynamo, which its first construction imports, is then imported here once, before
+    forking, rather than in every rank. Call it after whatever decides how triton is first
+    imported (model.fused.enable_kernels): torch._dynamo imports triton."""
+    global _ranks_import_dynamo
+    _ranks_import_dynamo = True
+
+
 def _import_before_forking() -> None:
     """torch imports torch._dynamo lazily (at an optimizer's construction, under a dispatch
     mode): 3 s of CPU in every forked rank of every launch that needs it. Once the ranks of a

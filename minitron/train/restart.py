@@ -33,13 +33,14 @@ import os
 import sys
 
 from . import checkpoint
-from ..runtime.launch import RankError, launch
+from ..runtime.launch import RankError, launch, ranks_will_build_optimizers
 from .out_dir import UsageError, claim_out
 
 def launch_surviving(worker, args, mcfg, pcfg, describe=str):
     """launch(worker, args, mcfg, pcfg, progress fd) on every rank; after a RankError restart
     from the last checkpoint up to args.max_restarts times, saying so on stderr (`describe`:
     the error in one line). Raises the last RankError when none is left."""
+    ranks_will_build_optimizers()      # after the flags chose how triton is imported
     while True:
         progress_fd = os.dup(sys.stderr.fileno())
         try:

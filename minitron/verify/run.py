@@ -11,7 +11,7 @@ from ..model.splits import validate_model
 from ..config import ModelConfig, check_adamw
 from ..model.fused import enable_kernels
 from ..model.reference import GPT
-from ..runtime.launch import DEFAULT_TIMEOUT, launch
+from ..runtime.launch import DEFAULT_TIMEOUT, launch, ranks_will_build_optimizers
 from ..tensor_parallel.fp8_blocks import fit_block, split_pieces
 from ..train.engine import check_supported, resolve_schedule
 from .checks import Report
@@ -54,6 +54,7 @@ def verify(parallel_config: ParallelConfig, model_config: ModelConfig, steps: in
     Plant(plant).check_fp8(fp8).resolve(GPT(model_config, seed))
     if model_config.use_kernels:
         enable_kernels(model_config, parallel_config.world_size)
+    ranks_will_build_optimizers()
     rows = launch(run_rank, parallel_config, model_config, steps, dtype, seed, lr, eps, batch, seq,
                   plant, sched, zero, reference_routing, fp8, world_size=parallel_config.world_size,
                   timeout=timeout)[0]
