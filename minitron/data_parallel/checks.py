@@ -2,8 +2,9 @@
 
 Under ZeRO no rank holds a whole gradient (stages 1-3) or a whole weight (stage 3). The
 verifier still compares every tensor, so these helpers rebuild them: each rank puts the
-pieces it keeps into a zero tensor of the full shape and one all-reduce (sum) over the
-sharding group fills in the rest (every element is kept by exactly one rank). This costs
+pieces it keeps into a zero tensor of the full shape and an all-reduce (sum) over the
+sharding group fills in the rest (every element is kept by exactly one rank, so the sum is
+exact): one all-reduce of all of them side by side per group and dtype, not one per tensor. This costs
 traffic no training step pays; it is never called by one.
 """
 from __future__ import annotations
@@ -17,13 +18,20 @@ from .engine_api import GradientEngine
 def _assemble(engine: GradientEngine, pieces_of, replicated: bool,
               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     out = {}
+    to_sum: dict = {}          # (sharding group, dtype) -> (group, its tensors): one all-reduce each
     for p in engine.parameters:
         full = torch.zeros(p.numel(), dtype=dtype or p.dtype, device=p.device)
         for i, t in pieces_of(p):
             full[i:i + t.numel()].copy_(t)
         if not replicated:
-            comm.all_reduce(full, engine.group_of(p))
+            group = engine.group_of(p)
+            to_sum.setdefault((id(group), full.dtype), (group, []))[1].append(full)
         out[engine.names[p]] = full.view(p.shape)
+    for group, fulls in to_sum.values():     # in the same order on every rank of a group
+        flat = torch.cat(fulls)
+        comm.all_reduce(flat, group)
+        for full, summed in zip(fulls, flat.split([f.numel() for f in fulls])):
+            full.copy_(summed)
     return out
 
 
