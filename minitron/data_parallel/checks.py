@@ -4,7 +4,7 @@ Under ZeRO no rank holds a whole gradient (stages 1-3) or a whole weight (stage 
 verifier still compares every tensor, so these helpers rebuild them: each rank puts the
 pieces it keeps into a zero tensor of the full shape and an all-reduce (sum) over the
 sharding group fills in the rest (every element is kept by exactly one rank, so the sum is
-exact): one all-reduce of all of them side by side per group and dtype, not one per tensor. This costs
+exact): one all-reduce per group and dtype, of all its tensors side by side. This costs
 traffic no training step pays; it is never called by one.
 """
 from __future__ import annotations

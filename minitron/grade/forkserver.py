@@ -30,9 +30,9 @@ from pathlib import Path
 # {"pid"} on stdout; {"exit", "code"} when a kernel ends (code as subprocess gives it).
 SERVER = r'''
 import ctypes, importlib, json, os, runpy, select, signal, sys
-try:                                      # PRELOAD's torch._dynamo imports triton: see there
-    import torch
-    if torch.cuda.device_count() == 0:
+try:                  # PRELOAD's torch._dynamo imports triton: see there. No CUDA call here:
+    import glob, torch    # a CUDA driver set up before fork is unusable in the forked kernels
+    if torch.version.cuda is None or not glob.glob("/dev/nvidia[0-9]*"):
         os.environ["TRITON_INTERPRET"] = "1"
 except Exception:
     pass
@@ -110,7 +110,7 @@ class ForkServerGone(Exception):
     run is graded (not a RuntimeError: the grader retries those, this ends the grading)."""
 
 
-# torch._dynamo: a torch optimizer's first construction imports it (1.4 s of CPU), in the kernel
+# torch._dynamo: a torch optimizer's first construction imports it (1.3 s of CPU), in the kernel
 # or in each of a notebook's forked ranks. It imports triton, whose triton.jit decides between
 # compiler and interpreter as it decorates, so on a machine without a GPU the server imports it
 # under TRITON_INTERPRET=1, the only triton a kernel can run there (as tests/conftest.py does); a

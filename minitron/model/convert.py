@@ -196,9 +196,9 @@ def gather_state_dict(local_sd: dict, cfg: ModelConfig, grid: Grid, placement=No
     """The reference-layout state dict, assembled on every rank.
 
     Works for any dict with ParallelGPT's keys: weights, or their gradients. One all-gather over
-    tp of every split tensor at once (per dtype); with a pipeline `placement`, then one broadcast per pipeline rank over
-    pp of everything that rank holds (a tensor two stages hold, the tied embedding, is sent
-    once, by stage 0's rank).
+    tp of every split tensor at once (per dtype); with a pipeline `placement`, then one
+    broadcast per pipeline rank over pp of everything that rank holds (a tensor two stages
+    hold, the tied embedding, is sent once, by stage 0's rank).
     """
     if placement is None:
         return _gather_tp(local_sd, rules(cfg), grid)

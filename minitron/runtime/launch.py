@@ -205,8 +205,9 @@ def ranks_will_build_optimizers() -> None:
 
 def _import_before_forking() -> None:
     """torch imports torch._dynamo lazily (at an optimizer's construction, under a dispatch
-    mode): 3 s of CPU in every forked rank of every launch that needs it. Once the ranks of a
-    launch have needed it, it is imported here, once, and the next launches' ranks inherit it;
-    a process whose ranks never need it never pays for it."""
+    mode): 1.3 s of CPU (torch 2.13, a 2-core EPYC) in every forked rank of every launch
+    that needs it. Once the ranks of a launch have needed it, it is imported here, once, and
+    the next launches' ranks inherit it; a process whose ranks never need it never pays for
+    it."""
     if _ranks_import_dynamo:
         import torch._dynamo  # noqa: F401
