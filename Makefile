@@ -27,10 +27,11 @@ lab: setup
 
 # The whole suite: unit and multi-process tests, every lesson and solution under nbval,
 # and every unsolved exercise shown to fail its grading. The set-up installs the hf extra
-# (transformers, CPU-only), so tests/test_hf.py's comparisons with transformers run too. Test files run whole on one of up to
-# four workers (pytest-xdist, one per CPU): a module's fixtures, such as the grading one, run
-# once, and the many tests that mostly wait on gloo overlap with the ones that compute. Files go
-# out in collection order, the longest first (tests/conftest.py: LONG_POLES), not by test count.
+# (transformers, CPU-only), so tests/test_hf.py's comparisons with transformers run too. Test
+# files run whole on one of up to four workers (pytest-xdist, one per CPU): a module's fixtures,
+# such as the grading one, run once, and the many tests that mostly wait on gloo overlap with
+# the ones that compute. Files go out in collection order, the longest first
+# (tests/conftest.py: LONG_POLES), not by test count.
 test: setup
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 

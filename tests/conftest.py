@@ -45,7 +45,7 @@ def _import_triton_for_this_machine():
 
 
 _import_triton_for_this_machine()
-# A torch optimizer's first construction imports torch._dynamo (1.4 s of CPU), in every rank of a
+# A torch optimizer's first construction imports torch._dynamo (1.3 s of CPU), in every rank of a
 # WorkerPool and of a worker's first launch. Imported here, after triton (it imports triton too),
 # once per pytest process: every rank forked from it inherits it.
 import torch._dynamo  # noqa: E402,F401
