@@ -76,6 +76,8 @@ def block_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     last block of a dimension that does not fill is a short block (zeros pad it)."""
     m, n = x.shape
     bm, bn = -(-m // rows), -(-n // cols)
+    if (bm * rows, bn * cols) == (m, n):          # whole blocks: nothing to pad
+        return x.detach().float().abs().reshape(bm, rows, bn, cols).amax(dim=(1, 3))
     padded = torch.zeros(bm * rows, bn * cols, dtype=torch.float32, device=x.device)
     padded[:m, :n] = x.detach().float().abs()
     return padded.reshape(bm, rows, bn, cols).amax(dim=(1, 3))
@@ -98,7 +100,8 @@ def block_scale(a: torch.Tensor, fmt: torch.dtype, pow2: bool) -> torch.Tensor:
 
 def expand(s: torch.Tensor, rows: int, cols: int, shape) -> torch.Tensor:
     """The block scales spread over the elements they scale, cut to `shape`."""
-    full = s.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+    bm, bn = s.shape
+    full = s[:, None, :, None].expand(bm, rows, bn, cols).reshape(bm * rows, bn * cols)
     return full[:shape[0], :shape[1]]
 
 
