@@ -174,6 +174,30 @@ def test_scaled_masked_softmax(device, dtype, shape, causal):
              [x], dtype, "softmax")
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's cost: needs TRITON_INTERPRET=1")
+def test_the_interpreter_patches_the_language_once_per_module_and_launch(monkeypatch):
+    """common.patch_language_once_per_launch: a softmax launch of 66 rows calls tl.max and tl.sum
+    (jit functions of triton.language.standard) in each, 132 device calls. The language is patched
+    for the launch and once for standard's module, not 133 times. (That the output stays torch's
+    is test_scaled_masked_softmax's.)"""
+    from triton.runtime import interpreter
+    scores = torch.randn(1, 2, 33, 33)
+    ops.scaled_masked_softmax(scores, 0.5, True)                  # installs the mends
+    patches = []
+
+    class Counted(interpreter._LangPatchScope):                   # one per patch of the language
+        def __init__(self):
+            super().__init__()
+            patches.append(1)
+    monkeypatch.setattr(interpreter, "_LangPatchScope", Counted)
+    mended = ops.scaled_masked_softmax(scores, 0.5, True)
+    assert len(patches) == 2, f"triton.language patched {len(patches)} times in one launch"
+    patches.clear()                                               # the test of the test
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.unmended)
+    assert torch.equal(ops.scaled_masked_softmax(scores, 0.5, True), mended)
+    assert len(patches) == 1 + 2 * 66, len(patches)
+
+
 # --------------------------------------------------------------------------- attention
 ATTN_CASES = [  # b, hq, hkv, sq, sk, d, causal, dtype
     (1, 2, 1, 33, 33, 16, True, torch.float32),

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .adamw_cpu import fused_cpu_adamw, fused_cpu_applies
-from .common import fix_interpreter_bf16, global_softmax_stats, interpreting
+from .common import fix_interpreter_bf16, global_softmax_stats, interpreting, patch_language_once_per_launch
 
 _ENABLED = True
 
@@ -73,6 +73,7 @@ def _triton_path(t):
         return False
     if interpreting():
         fix_interpreter_bf16()  # once; a no-op after
+        patch_language_once_per_launch()
     return True
 
 
