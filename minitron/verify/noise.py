@@ -34,71 +34,6 @@ LOW = (torch.bfloat16, torch.float16)
 
 
 SPLITS = (0.5, 0.3, 0.7, 0.4, 0.6, 0.2)   # where each twin cuts every reduction: six orders
-# the reductions SplitReductions cuts (the module docstring's list, less the FP8 GEMMs)
-SPLIT_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.sum.dim_IntList,
-                       aten.native_layer_norm_backward.default,
-                       aten.embedding_dense_backward.default})
-
-
-class SplitReductions(TorchDispatchMode):
-    """Inside it, the reductions of the module docstring run as two rounded parts, the first
-    `frac` of the terms and the rest."""
-
-    def __init__(self, frac: float = 0.5):
-        super().__init__()
-        self.frac = frac
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling frame, a cost on every
-        # op (a seventh of an FP8 row's CPU); nothing under this mode is ever compiled
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in SPLIT_OPS:          # every other op as it is, at once (most of them)
-            return func(*args, **kwargs)
-        halves = functools.partial(_parts, frac=self.frac)
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None or first.dtype not in LOW:
-            return func(*args, **kwargs)
-        if func is aten.mm.default and args[0].shape[1] >= 2:
-            a, b = args
-            lo, hi = halves(a.shape[1])
-            return torch.mm(a[:, lo], b[lo]) + torch.mm(a[:, hi], b[hi])
-        if func is aten.addmm.default and args[1].shape[1] >= 2:
-            bias, a, b = args
-            lo, hi = halves(a.shape[1])
-            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-            out = torch.mm(a[:, lo], b[lo]) + torch.mm(a[:, hi], b[hi])
-            return beta * bias + alpha * out if (beta, alpha) != (1, 1) else bias + out
-        if func is aten.bmm.default and args[0].shape[2] >= 2:
-            a, b = args
-            lo, hi = halves(a.shape[2])
-            return torch.bmm(a[:, :, lo], b[:, lo]) + torch.bmm(a[:, :, hi], b[:, hi])
-        if func is aten.sum.dim_IntList and args[1] and not kwargs.get("dtype"):
-            x, dims = args[0], [d % args[0].dim() for d in args[1]]
-            keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-            d = dims[0]
-            if x.shape[d] >= 2:
-                lo, hi = halves(x.shape[d])
-                idx = [slice(None)] * x.dim()
-                parts = []
-                for half in (lo, hi):
-                    idx[d] = half
-                    parts.append(torch.sum(x[tuple(idx)], dims, keepdim=keep))
-                return parts[0] + parts[1]
-        if func is aten.native_layer_norm_backward.default:
-            if args[0].reshape(-1, args[1].shape[-1]).shape[0] < 2:
-                return func(*args, **kwargs)
-            return _layer_norm_backward(func, halves, *args)
-        if func is aten.embedding_dense_backward.default:
-            grad, indices, rows, pad, sparse = args
-            g, i = grad.reshape(-1, grad.shape[-1]), indices.reshape(-1)
-            if i.numel() >= 2:
-                lo, hi = halves(i.numel())
-                return func(g[lo], i[lo], rows, pad, sparse) + func(g[hi], i[hi], rows, pad, sparse)
-        return func(*args, **kwargs)
 
 
 def _parts(n: int, frac: float) -> tuple[slice, slice]:
@@ -106,14 +41,54 @@ def _parts(n: int, frac: float) -> tuple[slice, slice]:
     return slice(0, k), slice(k, n)
 
 
+# One function per reduction of the module docstring (less the FP8 GEMMs: another_order): the op
+# in two rounded parts, or None where it has too few terms to cut (it then runs whole).
+def _mm(func, halves, a, b):
+    if a.shape[1] < 2:
+        return None
+    lo, hi = halves(a.shape[1])
+    return torch.mm(a[:, lo], b[lo]) + torch.mm(a[:, hi], b[hi])
+
+
+def _addmm(func, halves, bias, a, b, beta=1, alpha=1):
+    out = _mm(func, halves, a, b)
+    if out is None:
+        return None
+    return beta * bias + alpha * out if (beta, alpha) != (1, 1) else bias + out
+
+
+def _bmm(func, halves, a, b):
+    if a.shape[2] < 2:
+        return None
+    lo, hi = halves(a.shape[2])
+    return torch.bmm(a[:, :, lo], b[:, lo]) + torch.bmm(a[:, :, hi], b[:, hi])
+
+
+def _sum(func, halves, x, dims=None, keepdim=False, dtype=None):
+    """Over the first of the reduced dims."""
+    if not dims or dtype:
+        return None
+    dims = [d % x.dim() for d in dims]
+    d = dims[0]
+    if x.shape[d] < 2:
+        return None
+    idx = [slice(None)] * x.dim()
+    parts = []
+    for half in halves(x.shape[d]):
+        idx[d] = half
+        parts.append(torch.sum(x[tuple(idx)], dims, keepdim=keepdim))
+    return parts[0] + parts[1]
+
 
 def _layer_norm_backward(func, halves, grad, x, shape, mean, rstd, weight, bias, mask):
     """dX whole; dW and db over the rows in two halves, each rounded, then added."""
-    dx = func(grad, x, shape, mean, rstd, weight, bias, [mask[0], False, False])[0]
     h = x.shape[-1]
+    if grad.reshape(-1, h).shape[0] < 2:
+        return None
+    dx = func(grad, x, shape, mean, rstd, weight, bias, [mask[0], False, False])[0]
     g2, x2 = grad.reshape(-1, h), x.reshape(-1, h)
     m2, r2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)
-    if g2.shape[0] < 2 or not (mask[1] or mask[2]):
+    if not (mask[1] or mask[2]):
         return (dx, *func(grad, x, shape, mean, rstd, weight, bias, [False, mask[1], mask[2]])[1:])
     lo, hi = halves(g2.shape[0])
     a = func(g2[lo], x2[lo], shape, m2[lo], r2[lo], weight, bias, [False, mask[1], mask[2]])
@@ -121,6 +96,44 @@ def _layer_norm_backward(func, halves, grad, x, shape, mean, rstd, weight, bias,
     dw = a[1] + b[1] if mask[1] else None
     db = a[2] + b[2] if mask[2] else None
     return dx, dw, db
+
+
+def _embedding_backward(func, halves, grad, indices, rows, pad, sparse):
+    """Over the tokens."""
+    g, i = grad.reshape(-1, grad.shape[-1]), indices.reshape(-1)
+    if i.numel() < 2:
+        return None
+    lo, hi = halves(i.numel())
+    return func(g[lo], i[lo], rows, pad, sparse) + func(g[hi], i[hi], rows, pad, sparse)
+
+
+CUTS = {aten.mm.default: _mm, aten.addmm.default: _addmm, aten.bmm.default: _bmm,
+        aten.sum.dim_IntList: _sum, aten.native_layer_norm_backward.default: _layer_norm_backward,
+        aten.embedding_dense_backward.default: _embedding_backward}
+
+
+class SplitReductions(TorchDispatchMode):
+    """Inside it, the reductions of the module docstring (CUTS) run as two rounded parts, the
+    first `frac` of the terms and the rest."""
+
+    def __init__(self, frac: float = 0.5):
+        super().__init__()
+        self.frac = frac
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a frame that turns dynamo off, a cost on
+        # every op; nothing under this mode is ever compiled
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cut = CUTS.get(func)                 # most ops are no reduction: as they are, at once
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None) if cut else None
+        if first is None or first.dtype not in LOW:
+            return func(*args, **kwargs)
+        out = cut(func, functools.partial(_parts, frac=self.frac), *args, **kwargs)
+        return func(*args, **kwargs) if out is None else out
 
 
 def _split_scaled_matmul(real, frac: float):
