@@ -129,11 +129,15 @@ class SplitReductions(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         cut = CUTS.get(func)                 # most ops are no reduction: as they are, at once
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None) if cut else None
-        if first is None or first.dtype not in LOW:
-            return func(*args, **kwargs)
-        out = cut(func, functools.partial(_parts, frac=self.frac), *args, **kwargs)
-        return func(*args, **kwargs) if out is None else out
+        if cut is not None and _first_tensor_dtype(args) in LOW:
+            out = cut(func, functools.partial(_parts, frac=self.frac), *args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _first_tensor_dtype(args) -> torch.dtype | None:
+    return next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
 
 
 def _split_scaled_matmul(real, frac: float):
