@@ -19,6 +19,7 @@ import datetime
 import io
 import os
 import pickle
+import socket
 import sys
 from typing import Any
 
@@ -76,9 +77,26 @@ def rendezvous_store(timeout: float) -> dist.TCPStore:
     meet at: forked ranks (launch, WorkerPool) join it as clients (init_process_group's `port`),
     and torchrun agents standing for nodes on this machine do too (`--rdzv-endpoint
     127.0.0.1:PORT --rdzv-conf is_host=false`). It must outlive them: every later new_group
-    meets there as well. It stops when the object is dropped."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+    meets there as well. It stops when the object is dropped.
+
+    The listening socket is made here, with a backlog of 128 connections, and handed to the
+    store. Left to itself c10d listens with a backlog of -1 ("the system's maximum"), which
+    some kernels take as the smallest: under gVisor (the sandbox CI runs in) the 6th of 8 ranks
+    connecting at once had its connection dropped, and c10d tried again 5 s later: in 2 to 6 of
+    12 8-rank launches from a script (tests/test_launch.py: test_eight_ranks_meet_...)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout),
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()                          # the store owns the descriptor now, and closes it
+    return store
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: float,
