@@ -40,11 +40,12 @@ def _id(p):
 
 # pytest, but with rfc3987_syntax hidden from jsonschema (the grader's nbval plugin did so too): at
 # import it compiles a grammar for a string format no notebook schema uses (5 s of CPU here);
-# and each lesson's kernel forked from one that has imported torch (tests/preloaded_kernels.py)
+# and each lesson's kernel forked from one that has imported torch, its channels on Unix sockets
+# (tests/preloaded_kernels.py)
 NBVAL = (f"import sys, pytest; sys.modules.setdefault('rfc3987_syntax', None); "
          f"sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); "
          "import preloaded_kernels; preloaded_kernels.install(); "
-         "sys.exit(pytest.main(sys.argv[1:]))")
+         "sys.exit(pytest.main(sys.argv[1:], plugins=[preloaded_kernels]))")
 
 
 def _nbval_env() -> dict:
