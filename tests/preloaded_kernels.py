@@ -26,6 +26,17 @@ from minitron.grade.forkserver import ForkServer
 PRELOAD = ("torch", "torch._dynamo", "numpy", "IPython", "ipykernel.ipkernel", "jupyter_client.session")
 
 
+def unix_sockets():
+    """A traitlets Config putting a KernelManager's channels on Unix sockets in a folder of its
+    own (module docstring): for the tests that start a kernel through nbclient."""
+    from traitlets.config import Config
+    folder = tempfile.mkdtemp(prefix="nbval-kernel-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    config = Config()
+    config.KernelManager.transport, config.KernelManager.ip = "ipc", os.path.join(folder, "ipc")
+    return config
+
+
 def start_new_kernel(startup_timeout=60, kernel_name="python", **kwargs):
     """nbval.kernel.start_new_kernel, with the channels on Unix sockets (module docstring)."""
     import nbval.kernel

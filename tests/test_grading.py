@@ -37,6 +37,7 @@ from minitron.grade import cli as grader
 from minitron.grade import recorded
 from minitron.grade.values import VALUE_MIME
 from notebook_files import cleared, save
+from preloaded_kernels import unix_sockets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAMES = sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
@@ -119,7 +120,7 @@ def run_and_save(nb: dict, path: pathlib.Path) -> pathlib.Path:
     """Execute top to bottom, errors allowed, and save with the outputs: a learner's Ctrl-S."""
     node = nbformat.reads(json.dumps(nb), as_version=4)  # joins the sources split in lines
     path.parent.mkdir(parents=True, exist_ok=True)
-    NotebookClient(node, timeout=600, allow_errors=True, kernel_name="python3",
+    NotebookClient(node, timeout=600, allow_errors=True, kernel_name="python3", config=unix_sockets(),
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     nbformat.write(node, str(path))
     return path

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 import minitron
+from preloaded_kernels import unix_sockets
 
 SHORT = 3  # seconds: the collective timeout for the failure tests
 
@@ -136,7 +137,8 @@ def test_in_a_real_notebook_only_a_failed_cell_has_stderr():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK_CELLS])
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True,
+                            config=unix_sockets()).execute()
     _, ok, failed = ([(o.get("name", o.output_type), o.get("text", "") + "".join(o.get("traceback", [])))
                       for o in c.outputs] for c in nb.cells)
     assert ok == [("stdout", "[rank 0] result 0\n[rank 1] result 1\n")]
