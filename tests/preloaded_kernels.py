@@ -28,7 +28,7 @@ PRELOAD = ("torch", "torch._dynamo", "numpy", "IPython", "ipykernel.ipkernel", "
 
 def unix_sockets():
     """A traitlets Config putting a KernelManager's channels on Unix sockets in a folder of its
-    own (module docstring): for the tests that start a kernel through nbclient."""
+    own (module docstring): nbval's kernels here, and the tests' through nbclient."""
     from traitlets.config import Config
     folder = tempfile.mkdtemp(prefix="nbval-kernel-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -40,10 +40,8 @@ def unix_sockets():
 def start_new_kernel(startup_timeout=60, kernel_name="python", **kwargs):
     """nbval.kernel.start_new_kernel, with the channels on Unix sockets (module docstring)."""
     import nbval.kernel
-    km = KernelManager(kernel_name=kernel_name, kernel_spec_manager=nbval.kernel.NbvalKernelspecManager())
-    folder = tempfile.mkdtemp(prefix="nbval-kernel-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    km.transport, km.ip = "ipc", os.path.join(folder, "ipc")
+    km = KernelManager(kernel_name=kernel_name, kernel_spec_manager=nbval.kernel.NbvalKernelspecManager(),
+                       config=unix_sockets())
     km.start_kernel(**kwargs)
     kc = km.client()
     kc.start_channels()

@@ -8,10 +8,11 @@ by side, each doing LAUNCHES `minitron.launch(f, world_size=2)` one after anothe
 that chooses a port before it binds it (bind port 0, close, hand the number on) loses that port
 to a neighbour's socket now and then; one that binds as it chooses never does. Prints how many
 launches failed and exits 1 if any did. Kept out of `make test` (root); .ci/run runs it."""
-import os
 import subprocess
 import sys
 import time
+
+from namespace import rerun_inside
 
 PARALLEL, LAUNCHES, WORLD = 4, 25, 2
 PORT_RANGE = "40000 40300"
@@ -73,15 +74,7 @@ def main() -> int:
         return 0
     if sys.argv[1:] == ["--inside"]:
         return 1 if inside_namespace() else 0
-    here = os.path.abspath(__file__)
-    shell = (f'ip link set lo up && echo "{PORT_RANGE}" > /proc/sys/net/ipv4/ip_local_port_range '
-             f'&& exec "{sys.executable}" "{here}" --inside')
-    try:
-        return subprocess.run(["unshare", "-n", "sh", "-c", shell]).returncode
-    except FileNotFoundError:
-        print("unshare not found (util-linux); this stress test needs it and root", file=sys.stderr)
-        return 2
-
+    return rerun_inside(__file__, PORT_RANGE)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,6 @@ then and dies starting; on Unix sockets (tests/preloaded_kernels.py) none does. 
 25 and 32 of 40 starts failed in two runs here, on Unix sockets 0 in three. Prints the count and exits 1 if any failed. Kept out of
 `make test` (root); .ci/run runs it."""
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from namespace import rerun_inside
 
 CHURNERS, NOTEBOOKS, SECONDS = 3, 40, 120
 PORT_RANGE = "40000 41000"
@@ -75,15 +76,7 @@ def main() -> int:
         return 0
     if sys.argv[1:] == ["--inside"]:
         return 1 if inside_namespace() else 0
-    here = os.path.abspath(__file__)
-    shell = (f'ip link set lo up && echo "{PORT_RANGE}" > /proc/sys/net/ipv4/ip_local_port_range '
-             f'&& exec "{sys.executable}" "{here}" --inside')
-    try:
-        return subprocess.run(["unshare", "-n", "sh", "-c", shell]).returncode
-    except FileNotFoundError:
-        print("unshare not found (util-linux); this stress test needs it and root", file=sys.stderr)
-        return 2
-
+    return rerun_inside(__file__, PORT_RANGE)
 
 if __name__ == "__main__":
     sys.exit(main())
