@@ -89,8 +89,15 @@ def _no_compiled_kernels_left_behind():
     use_kernels in this process. A test that leaves such modules behind (the verifier's CLI
     with its enable_kernels stubbed, say) must not decide what the next test on the same xdist
     worker can run: they are dropped after each test, to be imported again, under whatever
-    the next one sets."""
+    the next one sets. TRITON_INTERPRET too goes back to what it was: enable_kernels sets it in
+    this process for good, and left set it would send every later test's optimizer steps on the
+    same worker through the interpreter (ops.fused_adamw_step reads it on every call)."""
+    interpret = os.environ.get("TRITON_INTERPRET")
     yield
+    if interpret is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = interpret
     if torch.cuda.device_count() == 0:
         for name in _compiled_kernel_modules():
             del sys.modules[name]

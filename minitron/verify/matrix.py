@@ -33,8 +33,10 @@ the command exits 0 only if both hold.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import os
 import time
 
 import torch
@@ -175,8 +177,29 @@ class Result:
     why: str = ""
 
 
+@contextlib.contextmanager
+def _interpreter_setting_kept():
+    """TRITON_INTERPRET as it was on entry, again on exit. enable_kernels sets it for the kernels
+    rows' ranks; left set, every later row's ranks would step their optimizer through the
+    Triton interpreter too (ops.fused_adamw_step reads it on every call), a row without
+    kernels then taking 2x its CPU time for a path it does not claim to test."""
+    before = os.environ.get("TRITON_INTERPRET")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
 def run_case(case: Case, steps: int = 2, plant: str | None = None,
              base: ModelConfig = DEFAULT_MODEL) -> Result:
+    with _interpreter_setting_kept():
+        return _run_case(case, steps, plant, base)
+
+
+def _run_case(case: Case, steps: int, plant: str | None, base: ModelConfig) -> Result:
     s = case.sizes
     if plant is not None and s[PLANT_DIMENSION[plant.split(":")[0]]] == 1:
         plant = None                       # not this row's dimension: it runs clean
@@ -234,10 +257,11 @@ def table(results: list[Result]) -> str:
 def run(quick: bool = False, steps: int = 2, plant: str | None = None, show=print,
         base: ModelConfig = DEFAULT_MODEL) -> list[Result]:
     results, rows = [], cases(quick)
-    for case in rows:     # TRITON_INTERPRET=1 (CPU ranks) before any row imports triton
-        if case.options.get("use_kernels"):
+    for case in rows:     # triton imported under TRITON_INTERPRET=1 (CPU ranks) before any row
+        if case.options.get("use_kernels"):            # imports it; set again by that row only
             try:
-                enable_kernels(model_for(case, base), case.world)
+                with _interpreter_setting_kept():
+                    enable_kernels(model_for(case, base), case.world)
             except ValueError:
                 pass            # the shape does not suit the kernels: the row says so
     for case in rows:
