@@ -18,7 +18,7 @@ from minitron.kernels import ops
 from minitron.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=64, seq_len=8, hidden=32, n_layers=2, n_heads=4, dropout=0.1)
-PATHS = {"ParallelGPT, tp=1": "1.10", "pipeline pp=1, 1f1b m=1": "1.05",
+PATHS = {"ParallelGPT, tp=1": "1.05", "pipeline pp=1, 1f1b m=1": "1.05",
          "data parallel dp=1": "1.05", "ZeRO-1 dp=1": "1.05", "ZeRO-3 dp=1": "1.05",
          "context parallel cp=1": "1.05", "ParallelGPT MoE, ep=1": "1.05"}
 

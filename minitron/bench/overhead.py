@@ -27,8 +27,9 @@ compared:
                                     sequence. Its backward recomputes each block's
                                     probabilities (flash-style: only out and lse are saved,
                                     which is what keeps its memory at 1/cp).
-Targets: parallel / reference <= 1.10 for ParallelGPT, <= 1.05 for the pipeline, data-
-parallel and context-parallel paths (they add no arithmetic to ParallelGPT's). Both clocks are printed: wall time,
+Targets: parallel / reference <= 1.05 for every path at size 1: ParallelGPT's, and the pipeline,
+data-parallel, context-parallel and expert paths on top of it (none adds arithmetic to the
+reference's, so what they cost beyond it is bookkeeping). Both clocks are printed: wall time,
 and the process's CPU time, which the ratio uses: every path runs on one thread, so CPU time
 is its work, while wall time also counts whatever else the machine runs meanwhile (on a shared
 2-core machine, easily 2x). The ratio is the median over rounds of path / reference within
@@ -52,7 +53,7 @@ from ..runtime.launch import launch
 from ..train.engine import TrainingRun
 from ..verify import make_batch, reference_step
 
-TARGET = 1.10            # ParallelGPT at tp=1
+TARGET = 1.05            # ParallelGPT at tp=1
 PATH_TARGET = 1.05       # the pipeline executor and the data-parallel engines on top of it
 OVERHEAD_CONFIG = ModelConfig(vocab_size=2048, seq_len=128, hidden=256, n_layers=4, n_heads=8,
                               dropout=0.1)
