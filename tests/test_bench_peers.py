@@ -44,3 +44,10 @@ def test_bad_options_are_refused_naming_the_flag(capsys):
         with pytest.raises(SystemExit) as e:
             peers.run(argv)
         assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_a_median_above_one_is_never_called_at_or_below_one():
+    from minitron.bench.peers import ratio_verdict
+    assert ratio_verdict(0.95, 1.00) == "<= 1.0"
+    assert ratio_verdict(0.98, 1.03) == "ABOVE 1.0 (its IQR reaches 1.0)"   # once "<= 1.0 within spread"
+    assert ratio_verdict(1.01, 1.03) == "ABOVE 1.0"
