@@ -72,7 +72,7 @@ for _ in range(6):
 def test_eight_ranks_meet_without_a_dropped_connection():
     """8 ranks connect to the parent's store at once, from a fresh script (in pytest's larger
     process the forks come too slowly to collide). With c10d's own listening socket (a backlog
-    of -1, which gVisor, where CI runs, takes as the smallest) 2 to 6 of 12 such launches lost a
+    of -1, which the sandbox CI runs in takes as the smallest) 2 to 6 of 12 such launches lost a
     connection and waited 5 s for c10d's retry, and this test failed 5 tries of 5. With the
     socket rendezvous_store makes (a backlog of 128), every rank reaches its function in about
     0.1 s."""

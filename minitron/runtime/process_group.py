@@ -81,7 +81,7 @@ def rendezvous_store(timeout: float) -> dist.TCPStore:
 
     The listening socket is made here, with a backlog of 128 connections, and handed to the
     store. Left to itself c10d listens with a backlog of -1 ("the system's maximum"), which
-    some kernels take as the smallest: under gVisor (the sandbox CI runs in) the 6th of 8 ranks
+    some network stacks take as the smallest: in the sandbox CI runs in, the 6th of 8 ranks
     connecting at once had its connection dropped, and c10d tried again 5 s later: in 2 to 6 of
     12 8-rank launches from a script (tests/test_launch.py: test_eight_ranks_meet_...)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
