@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from namespace import rerun_inside
+import namespace
 
 PARALLEL, LAUNCHES, WORLD = 4, 25, 2
 PORT_RANGE = "40000 40300"
@@ -68,13 +68,5 @@ def inside_namespace() -> int:
     return failed
 
 
-def main() -> int:
-    if sys.argv[1:] == ["--one"]:
-        print(one_script())
-        return 0
-    if sys.argv[1:] == ["--inside"]:
-        return 1 if inside_namespace() else 0
-    return rerun_inside(__file__, PORT_RANGE)
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(namespace.main(__file__, PORT_RANGE, inside_namespace, "--one", lambda: print(one_script())))

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from namespace import rerun_inside
+import namespace
 
 CHURNERS, NOTEBOOKS, SECONDS = 3, 40, 120
 PORT_RANGE = "40000 41000"
@@ -70,13 +70,5 @@ def inside_namespace() -> int:
     return failed
 
 
-def main() -> int:
-    if sys.argv[1:] == ["--churn"]:
-        churn()
-        return 0
-    if sys.argv[1:] == ["--inside"]:
-        return 1 if inside_namespace() else 0
-    return rerun_inside(__file__, PORT_RANGE)
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(namespace.main(__file__, PORT_RANGE, inside_namespace, "--churn", churn))
