@@ -9,7 +9,8 @@ dualpipev: DualPipeV on pp x ep CPU ranks with and without its (F, BW) pairs ove
 of the MoE all-to-all hidden from a measured timeline, the step ratio, and the simulator's
 timeline beside the measured ones (dualpipev.py).
 peers: minitron's DataParallel, ZeroStage3, 1F1B executor and tensor parallelism against torch's
-DDP, FSDP2, pipelining and DTensor, measured side by side in one run (peers.py; the pairs are built in peer_pairs.py).
+DDP, FSDP2, pipelining and DTensor, measured side by side in one run (peers.py; each pair is
+built in peer_pairs.py).
 
 kernels: the fused Triton kernels' benchmark (kernels.py), when it is installed.
 
