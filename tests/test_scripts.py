@@ -21,7 +21,9 @@ def _commands(script: str, tmp_path) -> list[list[str]]:
     """The commands the script would run, with a stand-in scontrol for the Slurm one."""
     shim = tmp_path / "bin"
     shim.mkdir(exist_ok=True)
-    (shim / "scontrol").write_text("#!/bin/sh\necho node-a\necho node-b\n")
+    # a large allocation's list: its reader must take the first name without closing the pipe
+    # early (`| head -n 1` under pipefail ended the script with SIGPIPE, 141, in a loaded run)
+    (shim / "scontrol").write_text("#!/bin/sh\necho node-a\nseq -f node-%g 2 200000\n")
     (shim / "scontrol").chmod(0o755)
     env = {**os.environ, "DRY_RUN": "1", "RDZV_HOST": "node-a", "PATH": f"{shim}:{os.environ['PATH']}",
            "SLURM_SUBMIT_DIR": ROOT, "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2",
