@@ -29,7 +29,7 @@ from pathlib import Path
 # forked kernel shows as its own, names no file. Protocol: one JSON line per request on stdin ({"argv", "env", "cwd"}), answered by
 # {"pid"} on stdout; {"exit", "code"} when a kernel ends (code as subprocess gives it).
 SERVER = r'''
-import ctypes, importlib, json, os, runpy, select, signal, sys
+import ctypes, gc, importlib, json, os, runpy, select, signal, sys
 try:                  # PRELOAD's torch._dynamo imports triton: see there. No CUDA call here:
     import glob, torch    # a CUDA driver set up before fork is unusable in the forked kernels
     if torch.version.cuda is None or not glob.glob("/dev/nvidia[0-9]*"):
@@ -53,6 +53,7 @@ signal.signal(signal.SIGCHLD, lambda *a: None)
 def say(msg):
     os.write(1, (json.dumps(msg) + "\n").encode())
 def kernel(req):
+    gc.freeze()       # what the server imported is no kernel's garbage: not walked, not copied
     os.setsid()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -77,6 +78,10 @@ def _enter_rank(rank: int, world_size: int, conn, status, progress, parent_pid: 
     # OpenMP is not fork-safe). GPU ranks too: their CPU work (batches, init) is small. Under
     # torchrun nothing is forked and torchrun's OMP_NUM_THREADS decides.
     torch.set_num_threads(1)
+    # The objects inherited from the parent (torch's modules, a notebook's state) are never this
+    # rank's garbage: frozen, the collector stops walking them, and stops writing into their
+    # pages, each write a copy of a page the rank shares with its parent (gc.freeze's purpose).
+    gc.freeze()
     global _in_worker
     _in_worker = True
     # Die with the parent, even when it is SIGKILLed (a crashed notebook kernel, a killed
