@@ -25,13 +25,14 @@ LONG_POLES = ("test_notebooks.py", "test_grading.py", "test_verify_matrix.py",
 
 
 def pytest_sessionstart(session):
-    """What this process holds by now (torch, pytest; in an xdist worker, after collection,
-    1600 tests too) lives to its end: frozen, the cyclic collector stops walking it at every
-    full collection (the controller spent a third of its CPU there, the workers a tenth)."""
+    """What this process holds by now (torch, pytest) lives to its end: frozen, the cyclic
+    collector stops walking it at every full collection (perf: the controller spent a third of
+    its CPU there, the workers a tenth)."""
     gc.freeze()
 
 
-pytest_collection_finish = pytest_sessionstart
+def pytest_collection_finish(session):
+    gc.freeze()      # an xdist worker collects after sessionstart: its 1600 tests live on too
 
 
 def pytest_unconfigure(config):

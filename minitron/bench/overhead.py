@@ -53,8 +53,7 @@ from ..runtime.launch import launch
 from ..train.engine import TrainingRun
 from ..verify import make_batch, reference_step
 
-TARGET = 1.05            # ParallelGPT at tp=1
-PATH_TARGET = 1.05       # the pipeline executor and the data-parallel engines on top of it
+TARGET = 1.05            # every path at size 1: ParallelGPT's and the engines on top of it
 OVERHEAD_CONFIG = ModelConfig(vocab_size=2048, seq_len=128, hidden=256, n_layers=4, n_heads=8,
                               dropout=0.1)
 
@@ -96,15 +95,15 @@ def _paths(cfg: ModelConfig, batch: int) -> dict:
     base = "reference GPT"
     return {base: (None, reference(cfg), None),
             "ParallelGPT, tp=1": (TARGET, engine(zero_stage=None), base),
-            "pipeline pp=1, 1f1b m=1": (PATH_TARGET, engine(zero_stage=None, schedule="1f1b",
-                                                            microbatches=1), base),
-            "data parallel dp=1": (PATH_TARGET, engine(zero_stage=0), base),
-            "ZeRO-1 dp=1": (PATH_TARGET, engine(zero_stage=1), base),
-            "ZeRO-3 dp=1": (PATH_TARGET, engine(zero_stage=3), base),
-            "context parallel cp=1": (PATH_TARGET, engine(zero_stage=None), base),
+            "pipeline pp=1, 1f1b m=1": (TARGET, engine(zero_stage=None, schedule="1f1b",
+                                                       microbatches=1), base),
+            "data parallel dp=1": (TARGET, engine(zero_stage=0), base),
+            "ZeRO-1 dp=1": (TARGET, engine(zero_stage=1), base),
+            "ZeRO-3 dp=1": (TARGET, engine(zero_stage=3), base),
+            "context parallel cp=1": (TARGET, engine(zero_stage=None), base),
             "ring forced on at cp=1": (None, engine(zero_stage=None, force_ring=True), base),
             "MoE reference GPT": (None, reference(moe_cfg), None),
-            "ParallelGPT MoE, ep=1": (PATH_TARGET, engine(moe_cfg, zero_stage=None), "MoE reference GPT")}
+            "ParallelGPT MoE, ep=1": (TARGET, engine(moe_cfg, zero_stage=None), "MoE reference GPT")}
 
 
 def _overhead_rank(cfg: ModelConfig, batch: int, repeats: int, warmup: int) -> dict:
