@@ -143,7 +143,7 @@ def run(argv: list[str] | None = None) -> int:
     print(f"step:    forward + backward + gradient sync, no optimizer; 2 gloo ranks, batch "
           f"{args.batch} x {cfg.seq_len}, fp32; {rounds} interleaved rounds after {warmup} warm-up")
     print(f"{'pair':34}{'loss (minitron / torch)':>26}{'minitron ms':>13}{'torch ms':>10}"
-          f"{'ratio':>7}  {'IQR':11} {'CPU':>4}   verdict")
+          f"{'ratio':>7}  {'IQR':13} {'CPU':>5}   verdict")
     failed = False
     for r in rows:
         q1, med, q3 = r["ratio"]
@@ -151,7 +151,7 @@ def run(argv: list[str] | None = None) -> int:
         if not r["same_loss"]:
             verdict, failed = f"LOSSES DIFFER by {r['loss_error']:.1e} (tolerance {r['tolerance']:.1e})", True
         print(f"{r['pair']:34}{r['loss'][0]:>13.5f} / {r['loss'][1]:<10.5f}{r['ms'][0]:13.1f}"
-              f"{r['ms'][1]:10.1f}{med:7.2f}  {q1:.2f}-{q3:.2f}   {r['cpu_ratio']:.2f}   {verdict}")
+              f"{r['ms'][1]:10.1f}{med:7.3f}  {q1:.3f}-{q3:.3f}   {r['cpu_ratio']:.3f}   {verdict}")
     print("ratio: minitron's wall time over torch's in the same round, median over rounds; "
           "IQR: its quartiles; CPU: the same ratio of both ranks' CPU time (all threads), the\n"
           "work itself, which other jobs on a shared machine disturb far less than the wall clock; "
