@@ -50,10 +50,10 @@ from ..runtime import comm
 from .checkpoint_bias import biases_of_every_stage, load_biases
 from .checkpoint_fp8 import fp8_states_of_every_stage, load_fp8  # noqa: F401 (checkpoint.load_fp8)
 from .checkpoint_manifest import (FORMAT, MANIFEST, RUNTIME_FIELDS,  # noqa: F401 (re-exported)
-                                  check_compatible, read_manifest, write_manifest)
+                                  CheckpointError, check_compatible, read_manifest, write_manifest)
 from .checkpoint_pieces import (_local_to_state, _state_to_local, _write_weights, local_weights,
                                 placements)
-from .checkpoint_planners import CheckpointError, PlacedLoadPlanner, PlacedSavePlanner
+from .checkpoint_planners import PlacedLoadPlanner, PlacedSavePlanner
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 

@@ -15,7 +15,7 @@ import torch
 
 from ..moe.balance import moe_by_layer
 from ..runtime import comm
-from .checkpoint_planners import CheckpointError
+from .checkpoint_manifest import CheckpointError
 
 
 def _moe_indices(cfg) -> list[int]:

@@ -13,13 +13,18 @@ import json
 import os
 
 from ..config import ModelConfig
-from .checkpoint_planners import CheckpointError
 from .data import sha256_file
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 # Fields that change how a model runs, not what its tensors are: free to differ on load.
 RUNTIME_FIELDS = {"dropout", "dropout_rng", "use_kernels", "recompute", "bias_update_rate"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded here; the message names the file and what is wrong.
+    Defined here, not beside the planners: this module imports no torch.distributed.checkpoint
+    (a second of CPU), so the flags' resume checks cost python -m minitron.verify nothing."""
 
 
 def write_manifest(directory: str, manifest: dict) -> None:

@@ -16,9 +16,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded here; the message names the file and what is wrong."""
+from .checkpoint_manifest import CheckpointError
 
 
 class PlacedSavePlanner(DefaultSavePlanner):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from . import checkpoint, data
+from . import checkpoint_manifest, data    # not checkpoint: it imports torch.distributed.checkpoint
 from ..grid import CP_VARIANTS, ParallelConfig
 from ..config import CHOICES, ModelConfig, check_number
 from ..model.fused import enable_kernels
@@ -213,8 +213,8 @@ def configure(args) -> tuple[ModelConfig, ParallelConfig]:
     check_writable(args.out)
     args.resume_step = None
     if args.resume:
-        manifest = checkpoint.read_manifest(args.resume)
-        checkpoint.check_compatible(manifest, mcfg, args.resume)
+        manifest = checkpoint_manifest.read_manifest(args.resume)
+        checkpoint_manifest.check_compatible(manifest, mcfg, args.resume)
         args.resume_step = manifest["step"]
     check_replacing(args)
     return mcfg, pcfg
