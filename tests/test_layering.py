@@ -151,12 +151,15 @@ def test_a_planted_circle_is_caught(copy):
     assert found and "minitron.pipeline.executor" in found[0], circles(copy)
 
 
-def test_the_verifier_starts_without_torch_distributed_checkpoint():
-    """`python -m minitron.verify` saves no checkpoint; importing torch.distributed.checkpoint
-    (through train.flags, for --resume's manifest checks) made each start ~0.8 s slower (2.7-3.1 s
-    for --help, 1.9-2.2 s without it). A fresh interpreter: this one has imported it already."""
+def test_the_commands_start_without_torch_distributed_checkpoint():
+    """`python -m minitron.verify` saves no checkpoint, nor does `python -m minitron.train
+    --save-every 0`; importing torch.distributed.checkpoint at their start (through train.flags
+    and train.restart, for --resume's manifest checks) cost each about a second (--help: 2.7-3.1 s
+    for the verifier, 1.9-2.2 s without it). The train command imports it before its ranks fork,
+    when it will save or resume. A fresh interpreter: this one has imported it already."""
     import subprocess
     import sys
-    probe = "import sys, minitron.verify.cli; print(sorted(m for m in sys.modules if 'distributed.checkpoint' in m))"
+    probe = ("import sys, minitron.verify.cli, minitron.train.cli; "
+             "print(sorted(m for m in sys.modules if 'distributed.checkpoint' in m))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from . import checkpoint, data, restart
+from . import data, restart
 from ..estimate import flops
 from ..grid import ParallelConfig
 from ..refusals import Refused
@@ -37,6 +37,7 @@ from ..config import ConfigError, ModelConfig
 from ..model.convert import gather_state_dict
 from ..model.reference import GPT
 from .checkpoint_bias import biases_of_every_stage, load_biases
+from .checkpoint_pieces import local_weights
 from .engine import TrainingRun
 from .flags import FLAGS, configure, parser
 from .lr import describe, learning_rate
@@ -46,6 +47,8 @@ from .progress import Progress, plot
 
 # ---- what every rank runs -------------------------------------------------------------------
 def worker(args, mcfg: ModelConfig, pcfg: ParallelConfig, progress_fd: int | None):
+    if args.resume or args.save_every:
+        from . import checkpoint      # main() imported it before the ranks forked (see there)
     run = TrainingRun(mcfg, pcfg, zero_stage=args.zero, microbatches=args.microbatches,
                       schedule=args.schedule, lr=args.lr, weight_decay=args.weight_decay,
                       max_norm=args.clip or None, dtype=args.dtype_, seed=args.seed, fp8=args.fp8)
@@ -107,7 +110,7 @@ def _point_latest(folder: str, path: str) -> None:
 
 def _sample(run: TrainingRun, mcfg: ModelConfig, args) -> str | None:
     """Gather the weights into a single-device GPT on rank 0 and let it write (collective)."""
-    local = checkpoint.local_weights(run.model, run.engine)
+    local = local_weights(run.model, run.engine)
     full = gather_state_dict({k: v.float() for k, v in local.items()}, mcfg, run.grid,
                              getattr(run.model, "placement", None))
     biases = biases_of_every_stage(run.model)      # not in the state dict (collective)
@@ -150,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minitron.train: error: {flagged}",
               file=sys.stderr)
         return 2
+    if args.save_every or args.resume:
+        # Here, before the ranks fork: they inherit it (train/checkpoint.py imports
+        # torch.distributed.checkpoint, a second of CPU that each would pay on its own).
+        # A run that saves and loads nothing does not import it at all.
+        from . import checkpoint  # noqa: F401
     try:
         results = restart.launch_surviving(worker, args, mcfg, pcfg, describe=one_line)
     except RankError as e:

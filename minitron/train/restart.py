@@ -32,7 +32,7 @@ import contextlib
 import os
 import sys
 
-from . import checkpoint
+from . import checkpoint_manifest
 from ..runtime.launch import RankError, launch, ranks_will_build_optimizers
 from .out_dir import UsageError, claim_out
 
@@ -67,7 +67,7 @@ def _latest(out: str) -> tuple[str, int] | None:
     latest = os.path.join(out, "checkpoints", "latest")
     if not os.path.exists(latest):
         return None
-    return latest, checkpoint.read_manifest(latest)["step"]
+    return latest, checkpoint_manifest.read_manifest(latest)["step"]
 
 
 def start_of(args) -> None:
@@ -101,7 +101,7 @@ def continue_under_torchrun(args) -> None:
     if torchrun_attempt() == 0:
         return
     latest = _latest(args.out)
-    start = checkpoint.read_manifest(args.resume)["step"] if args.resume else 0
+    start = checkpoint_manifest.read_manifest(args.resume)["step"] if args.resume else 0
     if latest is not None and latest[1] > start:
         args.resume, args.overwrite = latest[0], False
     elif args.resume is None:
