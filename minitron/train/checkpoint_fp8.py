@@ -14,8 +14,7 @@ import torch
 
 from ..runtime import comm
 from ..tensor_parallel.fp8_linear import SCALERS, named_fp8_states
-from .checkpoint_manifest import MANIFEST
-from .checkpoint_manifest import CheckpointError
+from .checkpoint_manifest import MANIFEST, CheckpointError
 
 
 def _fp8_layout(model) -> list[tuple[str, int]]:
