@@ -39,9 +39,9 @@ lab: setup
 # files run whole on one of up to four workers (pytest-xdist, one per CPU): a module's fixtures,
 # such as the grading one, run once, and the many tests that mostly wait on gloo overlap with
 # the ones that compute. Files go out in collection order, the longest first
-# (tests/conftest.py: LONG_POLES), not by test count. Without nbval's plugin in pytest's own
-# processes (the lessons run in nbval processes of their own, tests/test_notebooks.py): it imports
-# jsonschema's rfc3987 grammar, 2 s of CPU in each before conftest.py can hide it.
+# (tests/conftest.py: LONG_POLES), not by test count. -p no:nbval: the lessons run in nbval
+# processes of their own (tests/test_notebooks.py); here the plugin would only import jsonschema's
+# rfc3987 grammar before conftest.py can hide it, about 2 s of CPU in each pytest process.
 test: setup
 	$(BIN)/python -m pytest -q -p no:nbval -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 

@@ -173,7 +173,7 @@ def test_a_kernel_that_dies_starting_is_started_once_more(tmp_path, monkeypatch)
     """Under load a kernel can die before it answers (the last CI run: 'Kernel died before
     replying to kernel_info'); the second start must find its throwaway folder reusable.
     No heartbeat thread is started: one stopped this early reopened its socket until zmq ran
-    out ("Too many open files" in a thread of this test, one suite run in ten)."""
+    out ("Too many open files" in a thread of this test, in one suite run of about a dozen)."""
     from jupyter_client.blocking.client import BlockingKernelClient
     from jupyter_client.channels import HBChannel
     beats = []

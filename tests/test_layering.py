@@ -8,6 +8,8 @@ import ast
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -157,8 +159,6 @@ def test_the_commands_start_without_torch_distributed_checkpoint():
     and train.restart, for --resume's manifest checks) cost each about a second (--help: 2.7-3.1 s
     for the verifier, 1.9-2.2 s without it). The train command imports it before its ranks fork,
     when it will save or resume. A fresh interpreter: this one has imported it already."""
-    import subprocess
-    import sys
     probe = ("import sys, minitron.verify.cli, minitron.train.cli; "
              "print(sorted(m for m in sys.modules if 'distributed.checkpoint' in m))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)

@@ -47,7 +47,7 @@ def _run(tmp_path, strict: bool) -> tuple[int, dict[str, tuple[str, str]]]:
     (tmp_path / "test_skips.py").write_text(SKIPS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "MINITRON_STRICT": "1" if strict else "0",
-           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}     # only that plugin: nbval's alone costs 2 s
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}     # only that plugin: the others cost ~2 s a run
     xml = tmp_path / "report.xml"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "strict_skips", "-p", "no:cacheprovider",
                            "-q", f"--junitxml={xml}", "--rootdir", str(tmp_path), str(tmp_path)],

@@ -32,9 +32,9 @@ SERVER = r'''
 import ctypes, gc, importlib, json, os, runpy, select, signal, sys
 # No collection while importing, then freeze what was imported (gc.freeze's documented pattern
 # before forking): those objects live on, in the server and in every kernel, so the collector's
-# walks over them were waste (starting this server took 3.1 CPU-s, 1.7 so), and a kernel's own
-# collections leave the pages it shares with the server alone. Frozen with them are the imports'
-# own cyclic leftovers (8.8k objects of 495k), never freed.
+# walks over them were waste (starting this server took 3.1 CPU-s before, 1.7 now), and a kernel's
+# own collections leave the pages it shares with the server alone. Frozen with them are the
+# imports' own cyclic leftovers (8.8k objects of 495k), never freed.
 gc.disable()
 try:                  # PRELOAD's torch._dynamo imports triton: see there. No CUDA call here:
     import glob, torch    # a CUDA driver set up before fork is unusable in the forked kernels

@@ -183,8 +183,8 @@ class Kernel:
         self.km.start_kernel(cwd=str(cwd), env=kernel_env(copy, home), stdout=open(os.devnull, "w"),
                              stderr=open(os.devnull, "w"))
         self.kc = self.km.client()
-        # No heartbeat channel: the manager's client asks the kernel's process whether it lives
-        # (KernelClient.is_alive), and jupyter_client's heartbeat thread, stopped before it has
+        # No heartbeat channel: a client made by its KernelManager asks the manager whether the
+        # kernel's process lives (KernelClient._async_is_alive), and jupyter_client's heartbeat thread, stopped before it has
         # marked itself running (a kernel that dies starting), reopens its socket in a loop until
         # zmq runs out of sockets ("Too many open files", seen in a suite run).
         self.kc.start_channels(hb=False)
