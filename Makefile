@@ -36,7 +36,8 @@ lab: setup
 # The whole suite: unit and multi-process tests, every lesson and solution under nbval,
 # and every unsolved exercise shown to fail its grading. The set-up installs the hf extra
 # (transformers, CPU-only), so tests/test_hf.py's comparisons with transformers run too. Test
-# files run whole on one of up to four workers (pytest-xdist, one per CPU): a module's fixtures,
+# files run whole on one of up to four workers (pytest-xdist, one more than the CPUs: a worker
+# often waits on processes it started; tests/conftest.py has the timings): a module's fixtures,
 # such as the grading one, run once, and the many tests that mostly wait on gloo overlap with
 # the ones that compute. Files go out in collection order, the longest first
 # (tests/conftest.py: LONG_POLES), not by test count. -p no:nbval: the lessons run in nbval
