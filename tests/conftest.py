@@ -32,11 +32,12 @@ LONG_POLES = ("test_notebooks.py", "test_grading.py", "test_verify_matrix.py",
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (make test): one worker more than this process may use CPUs, not one per CPU.
-    A worker often waits with its CPU idle: on ranks a test stops for hanging (test_launch.py:
-    63 s of wall time, 22 s of CPU), on kernels and nbval processes starting. On 2 cores, a
-    fresh suite took 320 s with 2 workers, 280 s with 3, 305 s with 4 (one run each).
-    PYTEST_XDIST_AUTO_NUM_WORKERS still decides when set; make test's --maxprocesses caps it."""
+    """`-n auto` (make test): a worker per CPU this process may use, plus one (without
+    sched_getaffinity, as on macOS: xdist's own count). A worker often waits with its CPU idle:
+    on ranks a test stops for hanging (test_launch.py: 63 s of wall time, 22 s of CPU), on
+    kernels and nbval processes starting. On 2 cores the suite, Triton's cache empty, took 321 s
+    with 2 workers, 280 s with 3, 305 s with 4 (one run each). PYTEST_XDIST_AUTO_NUM_WORKERS
+    still decides when set; make test's --maxprocesses caps it."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None                       # xdist's own hook reads it
     return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else None
