@@ -30,7 +30,7 @@ LONG_POLES = ("test_notebooks.py", "test_grading.py", "test_verify_matrix.py",
               "test_kernels_compile.py", "test_model_kernels.py", "test_kernels.py")
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)   # optional: pytest runs without xdist too
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (make test): a worker per CPU this process may use, plus one (without
     sched_getaffinity, as on macOS: xdist's own count). A worker often waits with its CPU idle:

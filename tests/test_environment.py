@@ -1,6 +1,9 @@
-"""The set-up files agree with each other, so conda and pip users get the same course."""
+"""The set-up files agree with each other, so conda and pip users get the same course; the tests
+run with or without pytest-xdist."""
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -45,3 +48,13 @@ def test_nothing_depends_on_the_shared_folder():
             if "../shared" in path.read_text(errors="ignore") or "/shared/seeds" in path.read_text(errors="ignore"):
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, offenders
+
+
+def test_the_tests_run_without_xdist():
+    """tests/conftest.py sets `-n auto`'s worker count through one of xdist's hooks, marked
+    optional: a pytest without xdist (`-p no:xdist`, or not installed) still runs the tests
+    instead of stopping at an unknown hook."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:nbval",
+                           "-p", "no:cacheprovider", "--collect-only", "tests/test_config.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
