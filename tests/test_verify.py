@@ -195,24 +195,25 @@ def test_bad_context_parallel_options_exit_2(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_cli_passes_context_parallel_ulysses():
+# The next two call the command line's main in this process (`python -m` is the test above's):
+# as commands, the two took 7.7 CPU-s (this file's pytest run of them alone), in-process 3.2.
+def test_cli_passes_context_parallel_ulysses(capsys):
     """The CLI path of --cp (the per-rank runs are tests/test_context_parallel_model.py's)."""
-    run = subprocess.run([sys.executable, "-m", "minitron.verify", "--tp", "1", "--cp", "2",
-                          "--cp-variant", "ulysses", "--steps", "1"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "cp=2" in run.stdout and "cp_variant='ulysses'" in run.stdout
-    assert run.stdout.strip().splitlines()[-1].startswith("PASS max_rel_err=")
+    code = verify_cli.main(["--tp", "1", "--cp", "2", "--cp-variant", "ulysses", "--steps", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "cp=2" in out and "cp_variant='ulysses'" in out
+    assert out.strip().splitlines()[-1].startswith("PASS max_rel_err=")
 
 
-def test_cli_passes_a_pipeline_schedule():
-    run = subprocess.run([sys.executable, "-m", "minitron.verify", "--tp", "1", "--pp", "2",
-                          "--schedule", "zb-h1", "--microbatches", "4", "--steps", "1"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "schedule=zb-h1 microbatches=4 virtual=1 stage_rank=(0, 1)" in run.stdout
-    assert "batch=4 " in run.stdout                                    # one sample per micro-batch
-    assert run.stdout.strip().splitlines()[-1].startswith("PASS max_rel_err=")
+def test_cli_passes_a_pipeline_schedule(capsys):
+    code = verify_cli.main(["--tp", "1", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4",
+                            "--steps", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "schedule=zb-h1 microbatches=4 virtual=1 stage_rank=(0, 1)" in out
+    assert "batch=4 " in out                                           # one sample per micro-batch
+    assert out.strip().splitlines()[-1].startswith("PASS max_rel_err=")
 
 
 def test_bad_config_fails_before_launching(capsys):
