@@ -193,3 +193,21 @@ def test_a_kernel_that_dies_starting_is_started_once_more(tmp_path, monkeypatch)
     [g] = grader.grade([right], solutions=tmp_path / "solutions", show=lines.append)
     assert len(calls) == 2 and g.passed, lines
     assert not beats, "a heartbeat thread was started"
+
+
+def test_a_fork_server_a_kernel_ended_leaves_no_folder(tmp_path):
+    """A kernel that kills the fork server (test_grading_tamper.py does) ends the grading; the
+    server's folder (its Python link, its compile caches) goes with it, not only at exit: the
+    exit closes the servers still listed, and check() unlists a dead one."""
+    from minitron.grade import forkserver
+    home = tmp_path / "minitron-forkserver-test"
+    home.mkdir()
+    server = forkserver.ForkServer([], sys.executable, {"PATH": "/usr/bin:/bin"}, home, preload=())
+    key = ("test", str(home))
+    forkserver._servers[key] = server
+    server.proc.kill()
+    server.proc.wait()
+    with pytest.raises(forkserver.ForkServerGone):
+        server.check()
+    assert key not in forkserver._servers
+    assert not home.exists()

@@ -161,6 +161,7 @@ class ForkServer:
         if not self.alive():
             for key in [k for k, v in _servers.items() if v is self]:
                 del _servers[key]           # the next grading in this process starts another
+            self.close()                    # its folder too: the exit closes only listed servers
             raise ForkServerGone(f"the kernels' fork server (pid {self.proc.pid}) was ended, by a kernel: "
                                  "no verdict of this grading run is trusted")
 
