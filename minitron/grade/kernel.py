@@ -184,9 +184,10 @@ class Kernel:
                              stderr=open(os.devnull, "w"))
         self.kc = self.km.client()
         # No heartbeat channel: a client made by its KernelManager asks the manager whether the
-        # kernel's process lives (KernelClient._async_is_alive), and jupyter_client's heartbeat thread, stopped before it has
-        # marked itself running (a kernel that dies starting), reopens its socket in a loop until
-        # zmq runs out of sockets ("Too many open files", seen in a suite run).
+        # kernel's process lives (KernelClient._async_is_alive), and jupyter_client's heartbeat
+        # thread, stopped before it has marked itself running (a kernel that dies starting),
+        # reopens its socket in a loop until zmq runs out of sockets ("Too many open files",
+        # seen in a suite run).
         self.kc.start_channels(hb=False)
         try:
             self.kc.wait_for_ready(timeout=startup_timeout)
